@@ -1,0 +1,191 @@
+//! Backend traits, one per capability.
+//!
+//! - [`WindowBackend`]: owns the dense side's KV window (a ring of recent
+//!   tokens in device memory), appends tokens and evicts the oldest ones.
+//! - [`DenseAttention`]: dense attention over a window, split into
+//!   `submit_*` (returns at once) and [`DenseAttention::wait`], so the CPU's
+//!   sparse attention runs while the GPU works.
+//! - [`SparseAttention`]: gather-attention over selected entries of the CPU
+//!   store.
+//! - [`MergeBackend`]: the LSE merge.
+//!
+//! The hybrid orchestrator is generic over a `DenseAttention` and a
+//! `SparseAttention`, so the whole pipeline also runs with the CPU in both
+//! roles.
+
+use crate::{AttnShape, DType, Error, KvElem, KvSource, PartialMut, PartialRef, Result, Selection};
+
+/// What a KV window holds: `capacity` tokens of `shape`'s KV heads, stored as `dtype`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WindowSpec {
+    /// Head geometry.
+    pub shape: AttnShape,
+    /// Tokens the ring holds at most.
+    pub capacity: usize,
+    /// Storage type of K and V.
+    pub dtype: DType,
+}
+
+impl WindowSpec {
+    /// Validates the spec.
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for a zero capacity.
+    pub fn new(shape: AttnShape, capacity: usize, dtype: DType) -> Result<Self> {
+        if capacity == 0 {
+            return Err(Error::Zero {
+                what: "window capacity",
+            });
+        }
+        Ok(Self {
+            shape,
+            capacity,
+            dtype,
+        })
+    }
+    /// Bytes of K and V at full capacity.
+    pub fn bytes(&self) -> usize {
+        2 * self.capacity * self.shape.kv_token_len() * self.dtype.size()
+    }
+}
+
+/// A dense-side KV window: a ring of the `len()` most recent tokens, the
+/// oldest at absolute position `start_pos()`.
+pub trait KvWindow {
+    /// The window's spec.
+    fn spec(&self) -> &WindowSpec;
+    /// Tokens held now (`<= capacity`).
+    fn len(&self) -> usize;
+    /// True when no token is held.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Absolute sequence position of the oldest token held.
+    fn start_pos(&self) -> u64;
+    /// Free slots.
+    fn free(&self) -> usize {
+        self.spec().capacity - self.len()
+    }
+}
+
+/// Owns KV windows on the dense side.
+pub trait WindowBackend {
+    /// The backend-owned window state (device buffers).
+    type Window: KvWindow + Send;
+
+    /// Creates an empty window.
+    ///
+    /// # Errors
+    /// Backend errors (allocation), [`Error::UnsupportedDType`].
+    fn new_window(&self, spec: WindowSpec) -> Result<Self::Window>;
+
+    /// Appends `n` tokens, token-major `[n, kv_heads, d]` f32 (converted to
+    /// the window's dtype), at the ring's write position.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for wrong lengths, [`Error::Capacity`] when the
+    /// window has fewer than `n` free slots: evict first, nothing is overwritten.
+    fn append(&self, window: &mut Self::Window, n: usize, k: &[f32], v: &[f32]) -> Result<()>;
+
+    /// Removes the `n` oldest tokens, writing them head-major `[kv_heads, n, d]`
+    /// in the window's own dtype `T` (no rounding on the way to the CPU store).
+    ///
+    /// # Errors
+    /// [`Error::Capacity`] when fewer than `n` tokens are held,
+    /// [`Error::UnsupportedDType`] when `T` is not the window's dtype,
+    /// [`Error::Length`] for wrong output lengths.
+    fn evict_oldest<T: KvElem>(
+        &self,
+        window: &mut Self::Window,
+        n: usize,
+        k_out: &mut [T],
+        v_out: &mut [T],
+    ) -> Result<()>;
+}
+
+/// Dense attention over a window, with a submit/wait split.
+pub trait DenseAttention: WindowBackend {
+    /// Work submitted and not yet waited for.
+    type Pending: Send;
+
+    /// Short name for logs ("cpu-avx512", "wgpu llvmpipe", "cuda H200").
+    fn name(&self) -> String;
+
+    /// Submits decode attention of `q [q_heads, d]` over every token of the
+    /// window. With `want_weights`, [`DenseAttention::wait`] can also return
+    /// the softmax weights of the window tokens.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for a wrong `q`, backend errors.
+    fn submit_decode(
+        &self,
+        window: &Self::Window,
+        q: &[f32],
+        want_weights: bool,
+    ) -> Result<Self::Pending>;
+
+    /// Submits causal append attention of `n_q` queries `[n_q, q_heads, d]`
+    /// at absolute positions `p0 .. p0 + n_q`: query `i` sees the window
+    /// tokens at positions `<= p0 + i`.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for a wrong `q`, backend errors.
+    fn submit_append(
+        &self,
+        window: &Self::Window,
+        q: &[f32],
+        n_q: usize,
+        p0: u64,
+    ) -> Result<Self::Pending>;
+
+    /// Waits for submitted work and writes its partial into `out`. For a
+    /// decode submitted with `want_weights`, `weights` (if given) receives
+    /// `[q_heads, len]`: the softmax over the window's tokens, oldest first.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] / [`Error::Length`] when `out` or `weights`
+    /// does not fit what was submitted, backend errors.
+    fn wait(
+        &self,
+        pending: Self::Pending,
+        out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()>;
+}
+
+/// Sparse gather-attention over selected entries of a CPU KV store.
+pub trait SparseAttention {
+    /// Attention of `q [q_heads, d]` over, for each KV head `g`, the tokens
+    /// `sel.head(g)` of `kv`; query head `h` uses the list of KV head
+    /// `h / group`. With `weights`, also writes the softmax weights of the
+    /// attended entries (normalised over this partial): for KV head `g`, the
+    /// block `[group, sel.head(g).len()]` at offset `group * sel.offset(g)`,
+    /// so `weights.len() == group * sel.total()`.
+    ///
+    /// # Errors
+    /// [`Error::Length`], [`Error::ShapeMismatch`], [`Error::Index`] for
+    /// inputs that do not fit `shape` and `kv`.
+    fn sparse_decode<T: KvElem, S: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &S,
+        sel: &Selection,
+        out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()>;
+}
+
+/// The LSE merge of partials.
+pub trait MergeBackend {
+    /// N-way merge into `dst`; see [`crate::merge`].
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when layouts differ.
+    fn merge(&self, parts: &[PartialRef<'_>], dst: PartialMut<'_>) -> Result<()>;
+    /// In-place two-way merge; see [`crate::merge_into`].
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when layouts differ.
+    fn merge_into(&self, acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()>;
+}

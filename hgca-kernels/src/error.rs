@@ -1,0 +1,129 @@
+//! The one error type of hgca.
+
+/// Everything that can go wrong at hgca's public boundary.
+///
+/// Every variant says what was expected and what was found, so that a caller
+/// can fix the call without reading hgca's source. Backends wrap their
+/// driver's error in [`Error::Backend`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A count that must be positive was zero.
+    #[error("{what} must be at least 1, found 0")]
+    Zero {
+        /// Which count.
+        what: &'static str,
+    },
+    /// The number of query heads is not a multiple of the number of KV heads.
+    #[error("q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")]
+    GroupMismatch {
+        /// Query heads found.
+        q_heads: usize,
+        /// KV heads found.
+        kv_heads: usize,
+    },
+    /// A buffer has the wrong number of elements.
+    #[error("{what}: expected {expected} elements, found {found}")]
+    Length {
+        /// Which buffer.
+        what: &'static str,
+        /// Elements expected from the shape.
+        expected: usize,
+        /// Elements found.
+        found: usize,
+    },
+    /// Two shapes that must agree do not.
+    #[error("{what}: expected {expected}, found {found}")]
+    ShapeMismatch {
+        /// Which shape.
+        what: &'static str,
+        /// The expected shape, printed.
+        expected: String,
+        /// The shape found, printed.
+        found: String,
+    },
+    /// An index points past the end of what it indexes.
+    #[error("{what}: index {index} out of range for length {len}")]
+    Index {
+        /// What was indexed.
+        what: &'static str,
+        /// The offending index.
+        index: usize,
+        /// The valid length.
+        len: usize,
+    },
+    /// A real-valued parameter is outside its domain (NaN, negative, infinite...).
+    #[error("{what} = {value} is invalid: {expected}")]
+    Param {
+        /// Which parameter.
+        what: &'static str,
+        /// The value found.
+        value: f64,
+        /// What was expected, in words.
+        expected: &'static str,
+    },
+    /// A capacity (window, store, memory budget) would be exceeded.
+    #[error("{what}: capacity {capacity}, requested {requested}")]
+    Capacity {
+        /// Which capacity.
+        what: &'static str,
+        /// The capacity.
+        capacity: usize,
+        /// What the operation needed.
+        requested: usize,
+    },
+    /// The element type is not supported by this backend or device.
+    #[error("dtype {dtype} is not supported by {backend}: {reason}")]
+    UnsupportedDType {
+        /// The dtype asked for.
+        dtype: crate::DType,
+        /// The backend that refused it.
+        backend: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// A backend feature was not compiled in (cargo feature off).
+    #[error("backend `{backend}` is not compiled in: rebuild with cargo feature `{feature}`")]
+    NotCompiledIn {
+        /// The backend.
+        backend: &'static str,
+        /// The cargo feature that enables it.
+        feature: &'static str,
+    },
+    /// The backend's hardware or driver is not present on this machine.
+    #[error("backend `{backend}` is unavailable: {reason}")]
+    Unavailable {
+        /// The backend.
+        backend: &'static str,
+        /// Why, e.g. the library that could not be loaded.
+        reason: String,
+    },
+    /// An error reported by a backend's driver or runtime.
+    #[error("backend `{backend}` failed: {message}")]
+    Backend {
+        /// The backend.
+        backend: &'static str,
+        /// The driver's message.
+        message: String,
+    },
+}
+
+/// `Result` with hgca's [`Error`].
+pub type Result<T, E = Error> = core::result::Result<T, E>;
+
+/// Checks that `found == expected`, else returns [`Error::Length`].
+///
+/// # Errors
+/// [`Error::Length`] when the lengths differ.
+#[inline]
+pub fn check_len(what: &'static str, expected: usize, found: usize) -> Result<()> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(Error::Length {
+            what,
+            expected,
+            found,
+        })
+    }
+}

@@ -1,0 +1,364 @@
+//! The CPU KV store (head-major, paged in blocks) and per-KV-head selections.
+
+use crate::{AttnShape, Error, KvElem, Result, error::check_len};
+
+/// Read access to head-major KV rows: `k_row(h, j)` is the `d` contiguous
+/// elements of token `j` of KV head `h`. Kernels are generic over it.
+pub trait KvSource<T: KvElem>: Sync {
+    /// KV heads.
+    fn kv_heads(&self) -> usize;
+    /// Head dimension.
+    fn head_dim(&self) -> usize;
+    /// Tokens held.
+    fn tokens(&self) -> usize;
+    /// Key row of token `j` of KV head `h` (`h < kv_heads`, `j < tokens`).
+    fn k_row(&self, h: usize, j: usize) -> &[T];
+    /// Value row of token `j` of KV head `h`.
+    fn v_row(&self, h: usize, j: usize) -> &[T];
+    /// Checks that this source matches `shape`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when heads or head_dim differ.
+    fn check_shape(&self, shape: &AttnShape) -> Result<()> {
+        if self.kv_heads() == shape.kv_heads() && self.head_dim() == shape.head_dim() {
+            Ok(())
+        } else {
+            Err(Error::ShapeMismatch {
+                what: "kv source (kv_heads, head_dim)",
+                expected: format!("({}, {})", shape.kv_heads(), shape.head_dim()),
+                found: format!("({}, {})", self.kv_heads(), self.head_dim()),
+            })
+        }
+    }
+}
+
+/// Contiguous head-major K and V slices, `[kv_heads, tokens, d]` each.
+#[derive(Debug, Clone, Copy)]
+pub struct KvSlices<'a, T> {
+    kv_heads: usize,
+    head_dim: usize,
+    tokens: usize,
+    k: &'a [T],
+    v: &'a [T],
+}
+
+impl<'a, T: KvElem> KvSlices<'a, T> {
+    /// Wraps `[kv_heads, tokens, d]` slices.
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for zero heads or head_dim, [`Error::Length`] when a
+    /// slice does not hold `kv_heads * tokens * d` elements.
+    pub fn new(
+        kv_heads: usize,
+        head_dim: usize,
+        tokens: usize,
+        k: &'a [T],
+        v: &'a [T],
+    ) -> Result<Self> {
+        if kv_heads == 0 {
+            return Err(Error::Zero { what: "kv_heads" });
+        }
+        if head_dim == 0 {
+            return Err(Error::Zero { what: "head_dim" });
+        }
+        let n = kv_heads
+            .checked_mul(tokens)
+            .and_then(|x| x.checked_mul(head_dim))
+            .ok_or(Error::Capacity {
+                what: "kv slices elements",
+                capacity: usize::MAX,
+                requested: tokens,
+            })?;
+        check_len("k", n, k.len())?;
+        check_len("v", n, v.len())?;
+        Ok(Self {
+            kv_heads,
+            head_dim,
+            tokens,
+            k,
+            v,
+        })
+    }
+    /// Keys of head `h`, `[tokens, d]`.
+    pub fn k_head(&self, h: usize) -> &'a [T] {
+        let n = self.tokens * self.head_dim;
+        &self.k[h * n..(h + 1) * n]
+    }
+    /// Values of head `h`, `[tokens, d]`.
+    pub fn v_head(&self, h: usize) -> &'a [T] {
+        let n = self.tokens * self.head_dim;
+        &self.v[h * n..(h + 1) * n]
+    }
+}
+
+impl<T: KvElem> KvSource<T> for KvSlices<'_, T> {
+    fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+    #[inline(always)]
+    fn k_row(&self, h: usize, j: usize) -> &[T] {
+        let o = (h * self.tokens + j) * self.head_dim;
+        &self.k[o..o + self.head_dim]
+    }
+    #[inline(always)]
+    fn v_row(&self, h: usize, j: usize) -> &[T] {
+        let o = (h * self.tokens + j) * self.head_dim;
+        &self.v[o..o + self.head_dim]
+    }
+}
+
+/// The CPU KV store: grows block by block as the GPU window evicts.
+///
+/// Block `b` holds tokens `b*B .. (b+1)*B` of every KV head, laid out
+/// `[kv_heads][B][d]`, so every row stays contiguous and an appended token
+/// is copied exactly once. `B` is a power of two.
+///
+/// ```
+/// use hgca_kernels::{KvSource, KvStore};
+/// let mut s = KvStore::<f32>::new(2, 4, 64)?;
+/// // 3 tokens, head-major [kv_heads=2, n=3, d=4]
+/// let k: Vec<f32> = (0..24).map(|x| x as f32).collect();
+/// s.push_head_major(3, &k, &k)?;
+/// assert_eq!(s.tokens(), 3);
+/// assert_eq!(s.k_row(1, 2), &[20.0, 21.0, 22.0, 23.0]);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct KvStore<T> {
+    kv_heads: usize,
+    head_dim: usize,
+    shift: u32,
+    tokens: usize,
+    k: Vec<Box<[T]>>,
+    v: Vec<Box<[T]>>,
+}
+
+impl<T: KvElem> KvStore<T> {
+    /// An empty store with blocks of `block_tokens` tokens (a power of two).
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for zero counts, [`Error::Param`] when `block_tokens`
+    /// is not a power of two.
+    pub fn new(kv_heads: usize, head_dim: usize, block_tokens: usize) -> Result<Self> {
+        for (what, v) in [
+            ("kv_heads", kv_heads),
+            ("head_dim", head_dim),
+            ("block_tokens", block_tokens),
+        ] {
+            if v == 0 {
+                return Err(Error::Zero { what });
+            }
+        }
+        if !block_tokens.is_power_of_two() {
+            return Err(Error::Param {
+                what: "block_tokens",
+                value: block_tokens as f64,
+                expected: "a power of two",
+            });
+        }
+        Ok(Self {
+            kv_heads,
+            head_dim,
+            shift: block_tokens.trailing_zeros(),
+            tokens: 0,
+            k: Vec::new(),
+            v: Vec::new(),
+        })
+    }
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> usize {
+        1 << self.shift
+    }
+    fn block_len(&self) -> usize {
+        self.kv_heads * self.block_tokens() * self.head_dim
+    }
+    /// Appends `n` tokens given head-major, `[kv_heads, n, d]` (the layout
+    /// an evicted window block comes in).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `k` or `v` does not hold `kv_heads * n * d`.
+    pub fn push_head_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()> {
+        let (hk, d) = (self.kv_heads, self.head_dim);
+        check_len("k", hk * n * d, k.len())?;
+        check_len("v", hk * n * d, v.len())?;
+        self.push_with(n, |h, i| (h * n + i) * d, k, v);
+        Ok(())
+    }
+    /// Appends `n` tokens given token-major, `[n, kv_heads, d]` (the layout
+    /// a model produces).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `k` or `v` does not hold `n * kv_heads * d`.
+    pub fn push_token_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()> {
+        let (hk, d) = (self.kv_heads, self.head_dim);
+        check_len("k", hk * n * d, k.len())?;
+        check_len("v", hk * n * d, v.len())?;
+        self.push_with(n, |h, i| (i * hk + h) * d, k, v);
+        Ok(())
+    }
+    fn push_with(&mut self, n: usize, src_off: impl Fn(usize, usize) -> usize, k: &[T], v: &[T]) {
+        let (hk, d, bt) = (self.kv_heads, self.head_dim, self.block_tokens());
+        for i in 0..n {
+            let j = self.tokens;
+            if j >> self.shift == self.k.len() {
+                let len = self.block_len();
+                self.k.push(vec![T::default(); len].into_boxed_slice());
+                self.v.push(vec![T::default(); len].into_boxed_slice());
+            }
+            let (b, r) = (j >> self.shift, j & (bt - 1));
+            for h in 0..hk {
+                let (s, t) = (src_off(h, i), (h * bt + r) * d);
+                self.k[b][t..t + d].copy_from_slice(&k[s..s + d]);
+                self.v[b][t..t + d].copy_from_slice(&v[s..s + d]);
+            }
+            self.tokens += 1;
+        }
+    }
+    /// Bytes of K and V held (allocated blocks).
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.block_len() * core::mem::size_of::<T>()
+    }
+}
+
+impl<T: KvElem> KvSource<T> for KvStore<T> {
+    fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn tokens(&self) -> usize {
+        self.tokens
+    }
+    #[inline(always)]
+    fn k_row(&self, h: usize, j: usize) -> &[T] {
+        let bt = 1usize << self.shift;
+        let o = (h * bt + (j & (bt - 1))) * self.head_dim;
+        &self.k[j >> self.shift][o..o + self.head_dim]
+    }
+    #[inline(always)]
+    fn v_row(&self, h: usize, j: usize) -> &[T] {
+        let bt = 1usize << self.shift;
+        let o = (h * bt + (j & (bt - 1))) * self.head_dim;
+        &self.v[j >> self.shift][o..o + self.head_dim]
+    }
+}
+
+/// Selected token indices per KV head, in compressed-row form: head `h`'s
+/// list is `indices[offsets[h]..offsets[h + 1]]`. Reusable: `clear` keeps
+/// the allocations.
+///
+/// ```
+/// use hgca_kernels::Selection;
+/// let mut s = Selection::new();
+/// s.push_head([0, 5, 9]);
+/// s.push_head([]);
+/// assert_eq!(s.kv_heads(), 2);
+/// assert_eq!(s.head(0), &[0, 5, 9]);
+/// assert!(s.validate(2, 10).is_ok());
+/// assert!(s.validate(2, 9).is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selection {
+    offsets: Vec<usize>,
+    indices: Vec<u32>,
+}
+
+impl Default for Selection {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Selection {
+    /// An empty selection of zero heads.
+    pub fn new() -> Self {
+        Self {
+            offsets: vec![0],
+            indices: Vec::new(),
+        }
+    }
+    /// Every token of every head.
+    pub fn all(kv_heads: usize, tokens: usize) -> Self {
+        let mut s = Self::new();
+        for _ in 0..kv_heads {
+            s.push_head(0..tokens as u32);
+        }
+        s
+    }
+    /// From one list per head.
+    pub fn from_heads<I: AsRef<[u32]>>(heads: &[I]) -> Self {
+        let mut s = Self::new();
+        for h in heads {
+            s.push_head(h.as_ref().iter().copied());
+        }
+        s
+    }
+    /// Forgets all heads, keeping the allocations.
+    pub fn clear(&mut self) {
+        self.offsets.truncate(1);
+        self.indices.clear();
+    }
+    /// Appends the list of the next KV head.
+    pub fn push_head(&mut self, idx: impl IntoIterator<Item = u32>) {
+        self.indices.extend(idx);
+        self.offsets.push(self.indices.len());
+    }
+    /// Appends one index to the last head (call `begin_head` first).
+    #[inline]
+    pub fn push_index(&mut self, j: u32) {
+        self.indices.push(j);
+        *self.offsets.last_mut().expect("offsets is never empty") = self.indices.len();
+    }
+    /// Starts an empty list for the next head, to be filled by `push_index`.
+    #[inline]
+    pub fn begin_head(&mut self) {
+        self.offsets.push(self.indices.len());
+    }
+    /// Heads.
+    pub fn kv_heads(&self) -> usize {
+        self.offsets.len() - 1
+    }
+    /// Head `h`'s indices.
+    #[inline]
+    pub fn head(&self, h: usize) -> &[u32] {
+        &self.indices[self.offsets[h]..self.offsets[h + 1]]
+    }
+    /// Where head `h`'s list starts in the flat index array.
+    #[inline]
+    pub fn offset(&self, h: usize) -> usize {
+        self.offsets[h]
+    }
+    /// Total selected entries over all heads.
+    pub fn total(&self) -> usize {
+        self.indices.len()
+    }
+    /// Checks `kv_heads` lists, every index `< tokens`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for the wrong number of heads, [`Error::Index`]
+    /// for an index out of range.
+    pub fn validate(&self, kv_heads: usize, tokens: usize) -> Result<()> {
+        if self.kv_heads() != kv_heads {
+            return Err(Error::ShapeMismatch {
+                what: "selection heads",
+                expected: kv_heads.to_string(),
+                found: self.kv_heads().to_string(),
+            });
+        }
+        if let Some(&bad) = self.indices.iter().find(|&&j| j as usize >= tokens) {
+            return Err(Error::Index {
+                what: "selected token",
+                index: bad as usize,
+                len: tokens,
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,142 @@
+//! Bad input at the public boundary gives typed errors, never a panic.
+
+use hgca_kernels::{
+    Alpha, AttnShape, Beta, DType, Error, KvSlices, KvSource, KvStore, Selection, WindowSpec,
+    maw_update, maw_update_gather, select_paper,
+};
+use proptest::prelude::*;
+
+#[test]
+fn shapes_are_validated() {
+    assert!(matches!(
+        AttnShape::new(0, 1, 8),
+        Err(Error::Zero { what: "q_heads" })
+    ));
+    assert!(matches!(
+        AttnShape::new(4, 0, 8),
+        Err(Error::Zero { what: "kv_heads" })
+    ));
+    assert!(matches!(
+        AttnShape::new(4, 2, 0),
+        Err(Error::Zero { what: "head_dim" })
+    ));
+    assert!(matches!(
+        AttnShape::new(6, 4, 8),
+        Err(Error::GroupMismatch {
+            q_heads: 6,
+            kv_heads: 4
+        })
+    ));
+    let s = AttnShape::new(8, 2, 64).unwrap();
+    assert_eq!((s.group(), s.q_len(), s.kv_token_len()), (4, 512, 128));
+    assert!(s.with_scale(f32::NAN).is_err());
+    assert_eq!(s.with_scale(0.5).unwrap().scale(), 0.5);
+    assert!(WindowSpec::new(s, 0, DType::F16).is_err());
+    assert_eq!(
+        WindowSpec::new(s, 10, DType::F16).unwrap().bytes(),
+        2 * 10 * 128 * 2
+    );
+}
+
+#[test]
+fn beta_alpha_and_selection_validate() {
+    for bad in [f32::NAN, -0.1, f32::INFINITY] {
+        let e = Beta::uniform(2, bad).unwrap_err();
+        assert!(matches!(e, Error::Param { what: "beta", .. }), "{e}");
+    }
+    assert!(Beta::new(vec![]).is_err());
+    assert!(Alpha::new(1.5).is_err() && Alpha::new(f32::NAN).is_err());
+    let a = Alpha::new(0.5).unwrap();
+    let mut maw = vec![1.0, 0.0];
+    maw_update(&mut maw, &[0.0, 1.0], a).unwrap();
+    assert_eq!(maw, [0.5, 0.5]);
+    assert!(maw_update(&mut maw, &[0.0], a).is_err());
+    maw_update_gather(&mut maw, &[1], &[0.0], a).unwrap();
+    assert_eq!(maw, [0.5, 0.25]);
+    assert!(matches!(
+        maw_update_gather(&mut maw, &[2], &[0.0], a),
+        Err(Error::Index {
+            index: 2,
+            len: 2,
+            ..
+        })
+    ));
+    let mut sel = Selection::new();
+    assert!(select_paper(&[0.0; 5], 3, &Beta::uniform(2, 1.0).unwrap(), 4, &mut sel).is_err());
+    let sel = Selection::from_heads(&[vec![0u32, 3], vec![]]);
+    assert!(matches!(
+        sel.validate(3, 4),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        sel.validate(2, 3),
+        Err(Error::Index {
+            index: 3,
+            len: 3,
+            ..
+        })
+    ));
+    assert_eq!(sel.total(), 2);
+}
+
+#[test]
+fn kv_store_layouts_agree() {
+    let (hk, d, n) = (3, 5, 70);
+    let k: Vec<f32> = (0..hk * n * d).map(|x| x as f32).collect();
+    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+    let slices = KvSlices::new(hk, d, n, &k, &v).unwrap();
+    let mut head_major = KvStore::<f32>::new(hk, d, 16).unwrap();
+    head_major.push_head_major(n, &k, &v).unwrap();
+    // The same tokens, pushed token-major in uneven pieces.
+    let mut token_major = KvStore::<f32>::new(hk, d, 8).unwrap();
+    let mut j = 0;
+    for piece in [1usize, 7, 8, 9, 45] {
+        let mut kt = Vec::new();
+        let mut vt = Vec::new();
+        for t in j..j + piece {
+            for h in 0..hk {
+                kt.extend_from_slice(slices.k_row(h, t));
+                vt.extend_from_slice(slices.v_row(h, t));
+            }
+        }
+        token_major.push_token_major(piece, &kt, &vt).unwrap();
+        j += piece;
+    }
+    assert_eq!(j, n);
+    for h in 0..hk {
+        for t in 0..n {
+            assert_eq!(head_major.k_row(h, t), slices.k_row(h, t));
+            assert_eq!(token_major.k_row(h, t), slices.k_row(h, t));
+            assert_eq!(token_major.v_row(h, t), slices.v_row(h, t));
+        }
+    }
+    assert!(KvStore::<f32>::new(1, 1, 12).is_err());
+    assert!(head_major.push_head_major(2, &k[..3], &v[..3]).is_err());
+    assert!(KvSlices::new(hk, d, n + 1, &k, &v).is_err());
+}
+
+proptest! {
+    /// No panic for any shape numbers.
+    #[test]
+    fn any_shape_numbers_never_panic(q in 0usize..40, kv in 0usize..40, d in 0usize..300) {
+        match AttnShape::new(q, kv, d) {
+            Ok(s) => prop_assert!(s.q_heads() % s.kv_heads() == 0 && s.head_dim() > 0),
+            Err(_) => prop_assert!(q == 0 || kv == 0 || d == 0 || q % kv != 0),
+        }
+    }
+
+    /// The selection rule picks exactly the entries above beta / n_gpu.
+    #[test]
+    fn select_paper_is_the_rule(maw in prop::collection::vec(0.0f32..1.0, 0..64), beta in 0.0f32..4.0, n_gpu in 0usize..50) {
+        let tokens = maw.len() / 2;
+        let maw = &maw[..2 * tokens];
+        let b = Beta::uniform(2, beta).unwrap();
+        let mut sel = Selection::new();
+        select_paper(maw, tokens, &b, n_gpu, &mut sel).unwrap();
+        let t = beta / n_gpu.max(1) as f32;
+        for h in 0..2 {
+            let want: Vec<u32> = (0..tokens as u32).filter(|&j| maw[h * tokens + j as usize] > t).collect();
+            prop_assert_eq!(sel.head(h), &want[..]);
+        }
+    }
+}
