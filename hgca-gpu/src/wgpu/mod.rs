@@ -1,0 +1,1 @@
+//! The wgpu backend (cargo feature `wgpu`).
