@@ -90,7 +90,7 @@ pub fn maw_update(maw: &mut [f32], weights: &[f32], alpha: Alpha) -> Result<()> 
     check_len("maw weights", maw.len(), weights.len())?;
     let a = alpha.get();
     for (m, &w) in maw.iter_mut().zip(weights) {
-        *m = a.mul_add(*m, (1.0 - a) * w);
+        *m = a * *m + (1.0 - a) * w;
     }
     Ok(())
 }
@@ -118,7 +118,7 @@ pub fn maw_update_gather(
     let a = alpha.get();
     for (&j, &w) in idx.iter().zip(weights) {
         let m = &mut maw[j as usize];
-        *m = a.mul_add(*m, (1.0 - a) * w);
+        *m = a * *m + (1.0 - a) * w;
     }
     Ok(())
 }

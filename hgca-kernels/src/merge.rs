@@ -81,7 +81,7 @@ pub fn merge2_row(acc: &mut [f32], acc_lse: &mut f32, o: &[f32], lse: f32) {
         }
     } else {
         for (x, &y) in acc.iter_mut().zip(o) {
-            *x = ca.mul_add(*x, cb * y);
+            *x = ca * *x + cb * y;
         }
     }
     *acc_lse = m + wa.min(wb).ln_1p();
@@ -127,7 +127,7 @@ fn merge_row_n(parts: &[PartialRef<'_>], r: usize, out: &mut [f32], lse: &mut f3
             propagate_nan(out, o);
         } else {
             for (x, &y) in out.iter_mut().zip(o) {
-                *x = c.mul_add(y, *x);
+                *x += c * y;
             }
         }
     }

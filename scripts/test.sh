@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The whole test suite: installs what the tests need (as root, through apt
+# and pip), then format, lint, tests (every backend the machine can run:
+# CPU ISAs, wgpu on Mesa's software Vulkan, NVRTC compile checks, NEON under
+# qemu) and a short fuzz run. Under CI=true a test that would skip for a
+# missing tool fails instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+step() { printf '\n== %s (%ss)\n' "$1" "$(( $(date +%s) - start ))"; }
+
+if [ "${CI:-}" = "true" ]; then
+  export HGCA_REQUIRE_WGPU=1 HGCA_REQUIRE_NVRTC=1 HGCA_REQUIRE_NEON=1
+fi
+export CARGO_TERM_COLOR=never
+
+step "system packages"
+[ -f scripts/setup-vulkan.sh ] && bash scripts/setup-vulkan.sh
+if [ -f scripts/setup-cuda.sh ]; then
+  # Prints `export ...` lines for NVRTC, its headers and ptxas.
+  eval "$(bash scripts/setup-cuda.sh)"
+fi
+
+step "format"
+cargo fmt --all --check
+
+step "clippy"
+cargo clippy --workspace --all-targets --all-features -- -D warnings
+
+step "tests"
+cargo test --workspace --all-features -- --nocapture 2>&1 | tee target/test.log | grep -E '^(test |running |test result|     Running|   Doc-tests)|SKIP|adapter|ISA|panicked|error' || true
+grep -q '^test result: FAILED' target/test.log && { echo "tests failed"; exit 1; }
+grep -qE '^error(\[|:)' target/test.log && { echo "build failed"; exit 1; }
+passed=$(grep -E '^test result:' target/test.log | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/' | awk '{p+=$1; f+=$2} END {print p+0, f+0}')
+
+if [ -f scripts/neon-test.sh ]; then
+  step "NEON under qemu"
+  bash scripts/neon-test.sh
+fi
+
+step "fuzz (merge, ${HGCA_FUZZ_SECONDS:-60} s)"
+bash scripts/fuzz.sh "${HGCA_FUZZ_SECONDS:-60}"
+
+step "done"
+read -r p f <<<"$passed"
+echo "tests: $p passed, $f failed"
