@@ -84,6 +84,15 @@ fn shape(qh: usize, kh: usize, d: usize) -> AttnShape {
 }
 
 #[test]
+fn types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<WgpuBackend>();
+    send_sync::<hgca_gpu::wgpu::WgpuWindow>();
+    send::<hgca_gpu::wgpu::WgpuPending>();
+}
+
+#[test]
 fn adapter_is_present_and_named() {
     let b = need!(backend());
     let i = b.adapter_info();
@@ -125,7 +134,11 @@ fn edge_table_f16_bf16() {
             continue;
         }
         let s = shape(qh, kh, d);
-        let dt = if i % 2 == 0 { DType::F16 } else { DType::BF16 };
+        let dt = if i.is_multiple_of(2) {
+            DType::F16
+        } else {
+            DType::BF16
+        };
         let cap = (tokens / 3 + 2).max(1);
         check_dense(b, s, dt, cap, tokens, 5, 4, 1.0, 200 + i as u64)
             .unwrap_or_else(|e| panic!("{dt} {s:?} tokens {tokens}: {e}"));
@@ -161,6 +174,46 @@ fn ring_wraparound() {
     }
 }
 
+/// A longer window with the default split plan (several splits of 256+ tokens).
+#[test]
+fn long_window_default_splits() {
+    let b = need!(backend());
+    let s = shape(32, 8, 128);
+    check_dense(b, s, DType::F16, 1024, 1500, 500, 300, 100.0, 5)
+        .unwrap_or_else(|e| panic!("{s:?}: {e}"));
+}
+
+/// NaN in a query or a key makes the affected rows NaN (out and lse), the
+/// other rows stay exact; never hidden by a max.
+#[test]
+fn nan_inputs_propagate() {
+    let b = need!(backend());
+    let s = shape(4, 2, 8);
+    let mut w = b
+        .new_window(WindowSpec::new(s, 8, DType::F32).unwrap())
+        .unwrap();
+    let mut rng = Rng::new(11);
+    let mut k: Vec<f32> = (0..6 * s.kv_token_len()).map(|_| rng.sym()).collect();
+    let v = k.clone();
+    // Token 3, KV head 1, element 2: NaN (rows of query heads 2 and 3).
+    k[(3 * 2 + 1) * 8 + 2] = f32::NAN;
+    b.append(&mut w, 6, &k, &v).unwrap();
+    let mut q: Vec<f32> = (0..s.q_len()).map(|_| rng.sym()).collect();
+    q[8 + 5] = f32::NAN; // query head 1
+    let p = b.submit_decode(&w, &q, false).unwrap();
+    let mut out = Partial::poisoned(PartialLayout::decode(&s));
+    b.wait(p, out.as_mut(), None).unwrap();
+    for h in 0..4 {
+        let nan = h != 0;
+        assert_eq!(out.lse()[h].is_nan(), nan, "lse of head {h}");
+        assert!(
+            out.out()[h * 8..(h + 1) * 8]
+                .iter()
+                .all(|x| x.is_nan() == nan)
+        );
+    }
+}
+
 /// Many splits per row (tiny split length), with ragged last splits, and an
 /// append whose queries see different numbers of splits.
 #[test]
@@ -180,7 +233,11 @@ fn many_splits() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig {
+        cases: 32,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn prop_dense(
@@ -312,8 +369,7 @@ fn submissions_overlap() {
         .iter()
         .map(|q| b.submit_decode(&w, q, false).unwrap())
         .collect();
-    for (i, p) in pending.into_iter().enumerate().rev() {
-        let _ = i;
+    for p in pending.into_iter().rev() {
         let mut o = Partial::poisoned(layout);
         b.wait(p, o.as_mut(), None).unwrap();
         let j = solo.iter().position(|x| x == &o);

@@ -161,3 +161,20 @@ mod off {
 }
 #[cfg(not(feature = "wgpu"))]
 pub use off::{WgpuBackend, WgpuPending, WgpuWindow};
+
+#[cfg(all(test, not(feature = "wgpu")))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn feature_off_is_a_typed_error() {
+        assert_eq!(
+            WgpuBackend::new().unwrap_err(),
+            Error::NotCompiledIn {
+                backend: "wgpu",
+                feature: "wgpu"
+            }
+        );
+        assert!(WgpuBackend::with_options(WgpuOptions::default()).is_err());
+    }
+}

@@ -88,6 +88,9 @@ fn attn_split(
     }
     var m_run = 0.0;
     var l_run = 0.0;
+    // A non-finite score (NaN or inf in q or K, or an overflow) makes the
+    // row NaN instead of being dropped by `max`.
+    var bad = false;
     for (var b = t0; b < t1; b += WG) {
         let t = b + tid;
         let valid = t < t1;
@@ -101,6 +104,10 @@ fn attn_split(
             s = dot * P.scale;
             if (P.want_scores != 0u) {
                 scores[h * P.len + t] = s;
+            }
+            if (!is_finite(s)) {
+                bad = true;
+                s = 0.0;
             }
         }
         // Block max (invalid lanes repeat a valid lane's score: lane 0 is always valid).
@@ -153,8 +160,25 @@ fn attn_split(
         workgroupBarrier();
     }
 
+    red[tid] = select(0.0, 1.0, bad);
+    workgroupBarrier();
+    for (var off = WG / 2u; off > 0u; off >>= 1u) {
+        if (tid < off) {
+            red[tid] = max(red[tid], red[tid + off]);
+        }
+        workgroupBarrier();
+    }
+    let any_bad = red[0] > 0.5;
+
     let base = split * P.rows + r;
-    if (t1 > t0) {
+    if (any_bad) {
+        for (var i = tid; i < d; i += WG) {
+            part_o[base * d + i] = bitcast<f32>(NAN_BITS);
+        }
+        if (tid == 0u) {
+            part_lse[base] = bitcast<f32>(NAN_BITS);
+        }
+    } else if (t1 > t0) {
         let inv = 1.0 / l_run;
         for (var k = 0u; k < NACC; k++) {
             let i = tid + k * WG;
