@@ -112,10 +112,11 @@ pub fn compile_ptx(source: &str, cc: (u32, u32)) -> Result<String> {
         format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
         "--std=c++17".to_string(),
     ];
-    if let Ok(inc) = std::env::var("HGCA_CUDA_INCLUDE") {
-        if !inc.is_empty() && !inc.contains('\0') {
-            options.push(format!("--include-path={inc}"));
-        }
+    if let Ok(inc) = std::env::var("HGCA_CUDA_INCLUDE")
+        && !inc.is_empty()
+        && !inc.contains('\0')
+    {
+        options.push(format!("--include-path={inc}"));
     }
     let opts = CompileOptions {
         options,
@@ -242,10 +243,10 @@ impl Device {
     }
 
     fn give_pinned(&self, p: PinnedHostSlice<f32>) {
-        if let Ok(mut pool) = self.pinned.lock() {
-            if pool.len() < 16 {
-                pool.push(p);
-            }
+        if let Ok(mut pool) = self.pinned.lock()
+            && pool.len() < 16
+        {
+            pool.push(p);
         }
     }
 

@@ -100,7 +100,7 @@ impl KernelSpec {
     /// multiple of 16 bytes (rows then stay 16-byte aligned), else 1.
     pub fn vec(&self) -> usize {
         let esz = self.dtype.size();
-        if (self.head_dim * esz) % 16 == 0 {
+        if (self.head_dim * esz).is_multiple_of(16) {
             16 / esz
         } else {
             1

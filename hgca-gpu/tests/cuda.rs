@@ -1,0 +1,305 @@
+//! CUDA backend tests.
+//!
+//! - `nvrtc_ptxas_*`: compile every kernel with NVRTC for sm_80 and sm_90 and
+//!   run `ptxas -v` on the PTX (no GPU needed). Without NVRTC or ptxas they
+//!   skip with a printed reason, unless `HGCA_REQUIRE_NVRTC=1`, which turns a
+//!   skip into a failure (CI sets it after `scripts/setup-cuda.sh`).
+//! - `gpu_*`: the shared conformance suite on a real GPU; they skip, with a
+//!   printed reason, when there is no driver or no device.
+#![cfg(feature = "cuda")]
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use hgca_gpu::cuda::{
+    ATTENTION_KERNELS, CudaBackend, DECODE_KERNEL, KernelSpec, MERGE_CU, MERGE_KERNELS,
+    compile_ptx, nvrtc_available,
+};
+use hgca_kernels::{AttnShape, DType, Error};
+use hgca_testkit::conformance::{check_dense, check_merge_partition};
+use hgca_testkit::{EDGE_SHAPES, arb_shape, arb_spread};
+use proptest::prelude::*;
+
+fn required() -> bool {
+    std::env::var("HGCA_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
+}
+
+/// Prints why a test skips, or fails when `HGCA_REQUIRE_NVRTC=1`.
+fn skip(reason: &str) {
+    if required() {
+        panic!("HGCA_REQUIRE_NVRTC=1, but {reason}");
+    }
+    eprintln!("SKIP: {reason}");
+}
+
+fn ptxas() -> Option<PathBuf> {
+    let candidates = std::env::var_os("HGCA_PTXAS")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(std::iter::once(PathBuf::from("ptxas")));
+    candidates.into_iter().find(|p| {
+        Command::new(p)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+/// Registers and spills per entry function, from `ptxas -v`.
+#[derive(Debug, Default, Clone)]
+struct Usage {
+    regs: u32,
+    stack: u32,
+    spill_stores: u32,
+    spill_loads: u32,
+}
+
+fn parse_ptxas(log: &str) -> Vec<(String, Usage)> {
+    let mut out: Vec<(String, Usage)> = Vec::new();
+    let num_before = |line: &str, what: &str| -> u32 {
+        line.find(what)
+            .and_then(|i| line[..i].split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    for line in log.lines() {
+        if let Some(i) = line.find("Compiling entry function '") {
+            let rest = &line[i + "Compiling entry function '".len()..];
+            let name = rest.split('\'').next().unwrap_or("").to_string();
+            out.push((name, Usage::default()));
+        } else if let Some((_, u)) = out.last_mut() {
+            if line.contains("spill stores") {
+                u.stack = num_before(line, "bytes stack frame");
+                u.spill_stores = num_before(line, "bytes spill stores");
+                u.spill_loads = num_before(line, "bytes spill loads");
+            } else if line.contains("Used ") && line.contains(" registers") {
+                u.regs = num_before(line, "registers");
+            }
+        }
+    }
+    out
+}
+
+/// The specialisations the compile check covers: the benchmark shape
+/// (32 / 8 heads, d = 128) in every dtype, the usual head dims, GQA groups
+/// 1..8, and the unaligned and extreme head dims of the edge table.
+fn specs() -> Vec<KernelSpec> {
+    let mut v = Vec::new();
+    for dtype in DType::ALL {
+        for (d, group) in [(128, 4), (128, 1), (128, 8), (64, 4), (256, 4), (80, 2)] {
+            v.push(KernelSpec::new(dtype, d, group).unwrap());
+        }
+    }
+    for (dtype, d, group) in [
+        (DType::F32, 1, 2),
+        (DType::F16, 17, 4),
+        (DType::BF16, 257, 8),
+        (DType::F32, 257, 3),
+        (DType::F32, 512, 8),
+        (DType::F16, 512, 8),
+        (DType::BF16, 96, 3),
+    ] {
+        v.push(KernelSpec::new(dtype, d, group).unwrap());
+    }
+    v
+}
+
+#[test]
+fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
+    if let Err(e) = nvrtc_available() {
+        skip(&format!("NVRTC is not available ({e})"));
+        return;
+    }
+    let ptxas = ptxas();
+    if ptxas.is_none() {
+        skip("ptxas was not found (set HGCA_PTXAS or put it on PATH); NVRTC-only check follows");
+    }
+    let dir = std::env::temp_dir().join(format!("hgca-cuda-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut failures = Vec::new();
+    let t0 = std::time::Instant::now();
+    let mut units: Vec<(String, String, &[&str])> = specs()
+        .into_iter()
+        .map(|s| {
+            (
+                format!("{}-d{}-gb{}", s.dtype(), s.head_dim(), s.heads_per_block()),
+                s.source(),
+                &ATTENTION_KERNELS[..],
+            )
+        })
+        .collect();
+    units.push(("merge".into(), MERGE_CU.to_string(), &MERGE_KERNELS[..]));
+    println!(
+        "{:<6} {:<16} {:<22} {:>5} {:>6} {:>7} {:>7}",
+        "arch", "spec", "kernel", "regs", "stack", "spill_st", "spill_ld"
+    );
+    for cc in [(8, 0), (9, 0)] {
+        let arch = format!("sm_{}{}", cc.0, cc.1);
+        for (label, src, names) in &units {
+            let ptx = match compile_ptx(src, cc) {
+                Ok(p) => p,
+                Err(e) => {
+                    failures.push(format!("{arch} {label}: NVRTC failed: {e}"));
+                    continue;
+                }
+            };
+            for n in names.iter() {
+                if !ptx.contains(&format!(".entry {n}(")) {
+                    failures.push(format!("{arch} {label}: entry {n} missing from the PTX"));
+                }
+            }
+            let Some(ptxas) = ptxas.as_ref() else {
+                continue;
+            };
+            let file = dir.join(format!("{label}-{arch}.ptx"));
+            std::fs::write(&file, &ptx).unwrap();
+            let out = Command::new(ptxas)
+                .arg(format!("-arch={arch}"))
+                .arg("-v")
+                .arg(&file)
+                .arg("-o")
+                .arg(dir.join(format!("{label}-{arch}.cubin")))
+                .output()
+                .unwrap();
+            let log = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if !out.status.success() {
+                failures.push(format!("{arch} {label}: ptxas failed:\n{log}"));
+                continue;
+            }
+            let usage = parse_ptxas(&log);
+            if usage.len() != names.len() {
+                failures.push(format!(
+                    "{arch} {label}: ptxas reported {} entries, expected {}:\n{log}",
+                    usage.len(),
+                    names.len()
+                ));
+            }
+            for (name, u) in &usage {
+                println!(
+                    "{arch:<6} {label:<16} {name:<22} {:>5} {:>6} {:>7} {:>7}",
+                    u.regs, u.stack, u.spill_stores, u.spill_loads
+                );
+                if name == DECODE_KERNEL && (u.spill_stores > 0 || u.spill_loads > 0) {
+                    failures.push(format!("{arch} {label}: {name} spills: {u:?}"));
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    println!(
+        "compiled {} units x 2 archs in {:.1} s",
+        units.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Without a GPU every constructor returns a typed error; it never panics.
+#[test]
+fn no_gpu_is_a_typed_error() {
+    match CudaBackend::new() {
+        Ok(b) => println!("GPU present: {}", b.device_name()),
+        Err(Error::Unavailable { reason, .. }) => println!("no GPU, as expected here: {reason}"),
+        Err(e) => panic!("unexpected error without a GPU: {e}"),
+    }
+}
+
+/// One backend for all device tests (kernels compile once per specialisation);
+/// `None`, with the reason printed once, without a usable GPU.
+fn gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    GPU.get_or_init(|| match CudaBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("SKIP: device tests: no usable CUDA GPU: {e}");
+            None
+        }
+    })
+    .as_ref()
+}
+
+#[test]
+fn gpu_dense_edge_shapes() {
+    let Some(b) = gpu() else { return };
+    let mut failures = Vec::new();
+    for (i, &(qh, kvh, d, tokens)) in EDGE_SHAPES.iter().enumerate() {
+        let shape = AttnShape::new(qh, kvh, d).unwrap();
+        for dtype in DType::ALL {
+            // No eviction, and a small ring that wraps and evicts.
+            for (capacity, chunk, evict) in [(tokens.max(1), 7, 3), (tokens / 2 + 1, 5, 3)] {
+                for spread in [1.0f32, 100.0] {
+                    let seed = 1000 + i as u64;
+                    if let Err(e) = check_dense(
+                        b, shape, dtype, capacity, tokens, chunk, evict, spread, seed,
+                    ) {
+                        failures.push(format!(
+                            "{qh}/{kvh}/{d} tokens {tokens} {dtype} cap {capacity} spread {spread}: {e}"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn gpu_dense_long_window() {
+    let Some(b) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    for dtype in DType::ALL {
+        check_dense(b, shape, dtype, 3000, 5000, 512, 700, 10.0, 7).unwrap();
+    }
+}
+
+#[test]
+fn gpu_merge_edge_shapes() {
+    let Some(b) = gpu() else { return };
+    for (i, &(qh, kvh, d, tokens)) in EDGE_SHAPES.iter().enumerate() {
+        let shape = AttnShape::new(qh, kvh, d).unwrap();
+        for n_parts in [1, 2, 5] {
+            for spread in [1.0f32, 1e3] {
+                check_merge_partition(b, shape, tokens, spread, n_parts, 77 + i as u64)
+                    .unwrap_or_else(|e| panic!("{qh}/{kvh}/{d} x{n_parts}: {e}"));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn gpu_dense_random(
+        shape in arb_shape(),
+        spread in arb_spread(),
+        dt in 0usize..3,
+        tokens in 0usize..200,
+        cap in 1usize..120,
+        chunk in 1usize..40,
+        evict in 1usize..40,
+        seed in any::<u64>(),
+    ) {
+        let Some(b) = gpu() else { return Ok(()) };
+        let r = check_dense(b, shape, DType::ALL[dt], cap, tokens, chunk, evict, spread, seed);
+        prop_assert!(r.is_ok(), "{:?}", r);
+    }
+
+    #[test]
+    fn gpu_merge_random(
+        shape in arb_shape(),
+        spread in arb_spread(),
+        tokens in 0usize..100,
+        n_parts in 1usize..6,
+        seed in any::<u64>(),
+    ) {
+        let Some(b) = gpu() else { return Ok(()) };
+        let r = check_merge_partition(b, shape, tokens, spread, n_parts, seed);
+        prop_assert!(r.is_ok(), "{:?}", r);
+    }
+}
