@@ -12,6 +12,8 @@
 # Environment:
 #   HGCA_CUDA_VENV  venv folder (default: <repo>/.venv/cuda, git-ignored)
 #   PYTHON          interpreter that creates the venv (default: python3)
+#   HGCA_CUDA_WHEEL_VERSION  e.g. 12.4: pin the wheels to that CUDA release
+#                   (NVRTC's PTX must not be newer than the GPU driver)
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -35,13 +37,24 @@ nvrtc_dir=$site/nvidia/cuda_nvrtc/lib
 include_dir=$site/nvidia/cuda_runtime/include
 nvcc_bin=$site/nvidia/cuda_nvcc/bin
 
+if [ -n "${HGCA_CUDA_WHEEL_VERSION:-}" ]; then
+    spec="==${HGCA_CUDA_WHEEL_VERSION}.*"
+else
+    spec=">=12.4,<13"
+fi
+installed=$("$venv/bin/python" -m pip show nvidia-cuda-nvrtc-cu12 2>/dev/null | sed -n 's/^Version: //p')
+if [ -n "${HGCA_CUDA_WHEEL_VERSION:-}" ] && [ -n "$installed" ] \
+    && [ "${installed#"$HGCA_CUDA_WHEEL_VERSION".}" = "$installed" ]; then
+    log "installed NVRTC $installed does not match $HGCA_CUDA_WHEEL_VERSION: reinstalling"
+    rm -f "$nvrtc_dir/libnvrtc.so.12"
+fi
 if [ -e "$nvrtc_dir/libnvrtc.so.12" ] && [ -e "$include_dir/cuda_fp16.h" ] && [ -x "$nvcc_bin/ptxas" ]; then
     log "wheels already installed in $venv"
 else
     log "installing nvidia-cuda-{nvrtc,runtime,nvcc}-cu12 into $venv (about 130 MB)"
     "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-        'nvidia-cuda-nvrtc-cu12>=12.4,<13' 'nvidia-cuda-runtime-cu12>=12.4,<13' \
-        'nvidia-cuda-nvcc-cu12>=12.4,<13' >&2
+        --force-reinstall "nvidia-cuda-nvrtc-cu12$spec" "nvidia-cuda-runtime-cu12$spec" \
+        "nvidia-cuda-nvcc-cu12$spec" >&2
 fi
 
 for f in "$nvrtc_dir/libnvrtc.so.12" "$include_dir/cuda_fp16.h" "$nvcc_bin/ptxas"; do
