@@ -490,3 +490,37 @@ fn bad_inputs_are_typed_errors() {
         Err(Error::Zero { .. })
     ));
 }
+
+/// Wall time of one decode (submit + wait) over a full window, printed.
+/// Ignored by default; on lavapipe it measures the CPU, not a GPU.
+#[test]
+#[ignore = "timing report, run with --ignored"]
+fn decode_timing() {
+    let b = need!(backend());
+    let s = shape(32, 8, 128);
+    for (dt, cap) in [(DType::F32, 4096), (DType::F16, 4096)] {
+        let mut w = b.new_window(WindowSpec::new(s, cap, dt).unwrap()).unwrap();
+        let mut rng = Rng::new(3);
+        let kv: Vec<f32> = (0..cap * s.kv_token_len()).map(|_| rng.sym()).collect();
+        b.append(&mut w, cap, &kv, &kv).unwrap();
+        let q: Vec<f32> = (0..s.q_len()).map(|_| rng.sym()).collect();
+        let layout = PartialLayout::decode(&s);
+        let mut out = Partial::poisoned(layout);
+        let p = b.submit_decode(&w, &q, false).unwrap();
+        b.wait(p, out.as_mut(), None).unwrap();
+        let reps = 5;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            let p = b.submit_decode(&w, &q, false).unwrap();
+            b.wait(p, out.as_mut(), None).unwrap();
+        }
+        let dtime = t.elapsed().as_secs_f64() / reps as f64;
+        let bytes = w.spec().bytes() as f64;
+        eprintln!(
+            "decode {dt} {s:?} window {cap}: {:.3} ms, {:.2} GB/s of KV ({})",
+            dtime * 1e3,
+            bytes / dtime / 1e9,
+            b.name()
+        );
+    }
+}

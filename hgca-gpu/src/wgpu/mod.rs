@@ -31,8 +31,30 @@
 //!   [`hgca_kernels::WindowBackend::new_window`] with
 //!   [`hgca_kernels::Error::Capacity`].
 //!
-//! Submitting returns at once; [`hgca_kernels::DenseAttention::wait`] polls
-//! the device and reads the mapped staging buffer.
+//! - Weights (decode with `want_weights`): the split kernel also writes the
+//!   raw scores, and a third pass writes `exp(score - lse)` per window token
+//!   once the merge has produced the lse.
+//! - Merge ([`hgca_kernels::MergeBackend`]): one workgroup per row, the
+//!   contract of [`hgca_kernels::merge()`] (`+inf` and `-inf` lse are empty,
+//!   `(0, -inf)` for all-empty rows, NaN propagates), decided on the bits of
+//!   the values, because WGSL lets a compiler assume there is no NaN or
+//!   infinity. The split-K combine uses the same kernel.
+//! - Special values in attention: a NaN or infinite score (NaN or inf in `q`
+//!   or `K`) makes that row's `out` and `lse` NaN rather than being hidden by
+//!   a `max`; NaN in `V` reaches `out` through the arithmetic.
+//!
+//! Submitting returns at once (uploads are queued, the command buffer is
+//! submitted and the staging buffer's mapping is requested);
+//! [`hgca_kernels::DenseAttention::wait`] polls the device until that
+//! submission is done and reads the mapped staging buffer. Buffers come from
+//! a pool and go back to it after `wait`, so steady-state decoding allocates
+//! no device memory. [`hgca_kernels::WindowBackend::evict_oldest`] is
+//! blocking by contract (the rows are needed on the CPU).
+//!
+//! Not done (yet): append attention runs the decode kernel with one row per
+//! (query token, head), so K and V are read once per query row rather than
+//! once per tile of queries; the query heads of a GQA group do not share
+//! their K/V loads in workgroup memory. Both are speed, not correctness.
 //!
 //! With the feature off, the types exist and [`WgpuBackend::new`] returns
 //! [`hgca_kernels::Error::NotCompiledIn`].

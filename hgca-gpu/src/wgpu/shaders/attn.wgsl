@@ -6,7 +6,8 @@
 // workgroup memory (no subgroup operations: the subgroup size is not
 // assumed), and the output accumulators (invocation i owns dims i, i + WG,
 // ...) are rescaled online. Each split writes a normalised partial
-// (out, lse) that `merge_rows` combines.
+// (out, lse) that `merge_rows` combines. A non-finite score makes the
+// split's partial NaN (out and lse), which the merge spreads to the row.
 //
 // `attn_weights`: weights[h, t] = exp(score[h, t] - lse[h]) after the merge.
 //
