@@ -29,7 +29,7 @@ fn make(opts: WgpuOptions) -> Option<WgpuBackend> {
                 !required(),
                 "HGCA_REQUIRE_WGPU=1 but the wgpu backend is unavailable: {e}"
             );
-            eprintln!("skipping wgpu test: {e}");
+            eprintln!("SKIP wgpu tests (no adapter; set HGCA_REQUIRE_WGPU=1 to fail instead): {e}");
             None
         }
     }
