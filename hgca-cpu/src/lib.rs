@@ -1,1 +1,22 @@
-//! placeholder
+//! # hgca-cpu: the CPU side of hybrid attention
+//!
+//! Sparse gather-attention over selected entries of a CPU KV store, dense
+//! attention (decode and causal append), and the merge, written once with
+//! `pulp` and dispatched at run time to AVX-512, AVX2+FMA, NEON or scalar
+//! code; threaded with rayon over (KV head, query group) and, when that
+//! gives too few tasks, over token chunks merged exactly by LSE.
+//!
+//! GQA: each selected K and V row is read from memory once per query group
+//! and used by every head of the group. KV may be f32, f16 or bf16; it is
+//! widened on load and all accumulation is f32.
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+
+mod backend;
+pub mod isa;
+mod kernel;
+mod window;
+
+pub use backend::{CpuBackend, Par};
+pub use isa::{Isa, IsaKind};
+pub use window::{CpuPending, CpuWindow};

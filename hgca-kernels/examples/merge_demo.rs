@@ -16,7 +16,9 @@ fn main() -> Result<(), hgca_kernels::Error> {
     let cpu: Vec<usize> = (0..tokens - 1024).filter(|_| rng.below(10) == 0).collect();
     let union: Vec<usize> = cpu.iter().chain(&gpu).copied().collect();
     let layout = PartialLayout::decode(&shape);
-    let part = |set: &Vec<usize>| rows_to_partial(layout, &p.reference(&vec![set.clone(); shape.kv_heads()]));
+    let part = |set: &Vec<usize>| {
+        rows_to_partial(layout, &p.reference(&vec![set.clone(); shape.kv_heads()]))
+    };
     let (a, b) = (part(&gpu), part(&cpu));
     let mut merged = Partial::poisoned(layout);
     merge(&[a.as_ref(), b.as_ref()], merged.as_mut())?;
@@ -29,7 +31,13 @@ fn main() -> Result<(), hgca_kernels::Error> {
         }
     }
     println!("hgca merge demo: q_heads 32, kv_heads 8, d 128, {tokens} tokens");
-    println!("  GPU partial: {} tokens, CPU partial: {} tokens", gpu.len(), cpu.len());
-    println!("  merged vs f64 reference over the union: max |out err| = {out_err:.2e}, max |lse err| = {lse_err:.2e}");
+    println!(
+        "  GPU partial: {} tokens, CPU partial: {} tokens",
+        gpu.len(),
+        cpu.len()
+    );
+    println!(
+        "  merged vs f64 reference over the union: max |out err| = {out_err:.2e}, max |lse err| = {lse_err:.2e}"
+    );
     Ok(())
 }

@@ -37,7 +37,7 @@ impl AttnShape {
                 return Err(Error::Zero { what });
             }
         }
-        if q_heads % kv_heads != 0 {
+        if !q_heads.is_multiple_of(kv_heads) {
             return Err(Error::GroupMismatch { q_heads, kv_heads });
         }
         Ok(Self {

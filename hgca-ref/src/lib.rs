@@ -55,6 +55,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f64 {
     s.get()
 }
 
+/// `Σ |a_i b_i|` in f64.
+pub fn dot_abs(a: &[f32], b: &[f32]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (x as f64 * y as f64).abs())
+        .sum()
+}
+
 /// One row of a reference partial: `out [d]` and natural-log `lse`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RefRow {
@@ -62,8 +70,10 @@ pub struct RefRow {
     pub out: Vec<f64>,
     /// Log-sum-exp of the scores (natural log); `-inf` for the empty set.
     pub lse: f64,
-    /// Largest |score| seen (for error bounds); 0 for the empty set.
-    pub max_abs_score: f64,
+    /// The conditioning of the scores, for error bounds: the largest
+    /// `scale * Σ_i |q_i k_i|` over the set (an f32 dot product carries an
+    /// error proportional to it, not to its result); 0 for the empty set.
+    pub score_mag: f64,
 }
 
 /// Attention of one query `q [d]` over the tokens `set` of one KV head
@@ -78,7 +88,7 @@ pub fn attend_row(q: &[f32], k: &[f32], v: &[f32], d: usize, scale: f64, set: &[
         return RefRow {
             out: vec![0.0; d],
             lse: f64::NEG_INFINITY,
-            max_abs_score: 0.0,
+            score_mag: 0.0,
         };
     };
     let mut out = vec![Sum::default(); d];
@@ -90,7 +100,10 @@ pub fn attend_row(q: &[f32], k: &[f32], v: &[f32], d: usize, scale: f64, set: &[
     RefRow {
         out: out.iter().map(|s| s.get() / l).collect(),
         lse: m + l.ln(),
-        max_abs_score: scores.iter().fold(0.0, |a, s| a.max(s.abs())),
+        score_mag: set
+            .iter()
+            .map(|&j| scale.abs() * dot_abs(q, &k[j * d..(j + 1) * d]))
+            .fold(0.0, f64::max),
     }
 }
 

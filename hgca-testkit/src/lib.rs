@@ -14,10 +14,10 @@ use proptest::prelude::*;
 
 /// An error bound `{abs, rel}`, per dtype.
 ///
-/// The bound for an output element is `vmax * (abs + rel * smax)` and for an
-/// lse `abs + rel * (|lse| + smax)`, where `vmax` is the largest |value| and
-/// `smax` the largest |score| of the token set: f32 scores carry an absolute
-/// error proportional to their size, which every weight inherits.
+/// The bound for an output element is `vmax * (abs + rel * smag)` and for an
+/// lse `abs + rel * (|lse| + smag)`, where `vmax` is the largest |value| and
+/// `smag` the largest `scale * Σ|q_i k_i|` of the token set: an f32 score
+/// carries an absolute error proportional to it, which every weight inherits.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {
     /// Absolute part.
@@ -70,12 +70,12 @@ pub fn check_rows(
         let lse_ok = if rr.lse == f64::NEG_INFINITY {
             got == f64::NEG_INFINITY
         } else {
-            (got - rr.lse).abs() <= tol.abs + tol.rel * (rr.lse.abs() + rr.max_abs_score)
+            (got - rr.lse).abs() <= tol.abs + tol.rel * (rr.lse.abs() + rr.score_mag)
         };
         if !lse_ok {
             return Err(format!("row {r}: lse {got} vs reference {}", rr.lse));
         }
-        let bound = vmax.max(1e-30) * (tol.abs + tol.rel * rr.max_abs_score);
+        let bound = vmax.max(1e-30) * (tol.abs + tol.rel * rr.score_mag);
         for (i, (&o, &x)) in out[r * d..(r + 1) * d].iter().zip(&rr.out).enumerate() {
             let err = (o as f64 - x).abs();
             if !(err <= bound) {

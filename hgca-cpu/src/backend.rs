@@ -1,0 +1,566 @@
+//! The CPU backend: validation at the boundary, task splitting over
+//! (query token, KV head, head subgroup, token chunk), rayon, and the exact
+//! merge of the chunks' partials.
+
+use std::sync::{Arc, Mutex};
+
+use hgca_kernels::{
+    AttnShape, Error, KvSource, MergeBackend, PartialLayout, PartialMut, PartialRef, Result,
+    Selection, SparseAttention, check_len, merge2_row,
+};
+use pulp::Simd;
+
+use crate::isa::{Isa, IsaKind, SimdElem, dispatch, exp_neg, load, store};
+use crate::kernel::{
+    ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
+};
+
+/// Parallelism of a CPU call (faer's `Par`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Par {
+    /// The calling thread only.
+    Seq,
+    /// A rayon pool of this many threads (0: rayon's global pool).
+    Rayon(usize),
+}
+
+/// Tokens a chunk of the work attends to smallest (smaller splits cost more in merges than they win).
+const MIN_CHUNK: usize = 256;
+
+/// The CPU backend: SIMD kernels on the ISA detected once (or forced), threaded with rayon.
+///
+/// ```
+/// use hgca_cpu::CpuBackend;
+/// use hgca_kernels::{AttnShape, KvSlices, Partial, PartialLayout, Selection, SparseAttention};
+/// let shape = AttnShape::new(4, 2, 8)?;
+/// let tokens = 10;
+/// let k = vec![0.5f32; 2 * tokens * 8];
+/// let v: Vec<f32> = (0..2 * tokens * 8).map(|i| i as f32).collect();
+/// let kv = KvSlices::new(2, 8, tokens, &k, &v)?;
+/// let sel = Selection::from_heads(&[vec![1u32, 4], vec![9]]);
+/// let cpu = CpuBackend::new();
+/// let mut out = Partial::empty(PartialLayout::decode(&shape));
+/// cpu.sparse_decode(&shape, &[1.0; 32], &kv, &sel, out.as_mut(), None)?;
+/// // equal scores: head 0 averages the values of tokens 1 and 4 of KV head 0
+/// assert_eq!(out.out()[0], (8.0 + 32.0) / 2.0);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    isa: Isa,
+    par: Par,
+    pool: Option<Arc<rayon::ThreadPool>>,
+    scratch: Arc<Mutex<Vec<f32>>>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// How one KV head's tokens are given.
+#[derive(Clone, Copy)]
+enum Spec<'a> {
+    List(&'a [u32]),
+    Range(usize, usize),
+    Threshold(&'a [f32], f32),
+}
+
+impl Spec<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Spec::List(l) => l.len(),
+            Spec::Range(a, b) => b - a,
+            Spec::Threshold(m, _) => m.len(),
+        }
+    }
+}
+
+/// One piece of work: query token `t`, KV head `g`, query heads
+/// `h0..h0+hn` of its group, chunk `c` of its tokens.
+#[derive(Clone, Copy)]
+struct Task {
+    t: usize,
+    g: usize,
+    h0: usize,
+    hn: usize,
+    c: usize,
+}
+
+struct Plan {
+    tokens_q: usize,
+    kv_heads: usize,
+    group: usize,
+    subs: usize,
+    hsub: usize,
+    chunks: usize,
+    d: usize,
+    scores: usize,
+}
+
+impl Plan {
+    fn tasks(&self) -> usize {
+        self.tokens_q * self.kv_heads * self.subs * self.chunks
+    }
+    fn task(&self, i: usize) -> Task {
+        let c = i % self.chunks;
+        let i = i / self.chunks;
+        let sub = i % self.subs;
+        let i = i / self.subs;
+        let g = i % self.kv_heads;
+        let t = i / self.kv_heads;
+        let h0 = sub * self.hsub;
+        Task {
+            t,
+            g,
+            h0,
+            hn: self.hsub.min(self.group - h0),
+            c,
+        }
+    }
+    /// Floats of scratch per task: `o [hsub, d]`, `lse [hsub]`, scores `[hsub, scores]`.
+    fn stride(&self) -> usize {
+        self.hsub * (self.d + 1 + self.scores)
+    }
+    fn bounds(&self, len: usize, c: usize) -> (usize, usize) {
+        (c * len / self.chunks, (c + 1) * len / self.chunks)
+    }
+}
+
+impl CpuBackend {
+    /// The best ISA of this machine, rayon's global pool.
+    pub fn new() -> Self {
+        Self {
+            isa: Isa::detect(),
+            par: Par::Rayon(0),
+            pool: None,
+            scratch: Arc::default(),
+        }
+    }
+
+    /// Forces an ISA (for tests and benches).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when this CPU lacks it.
+    pub fn with_isa(mut self, kind: IsaKind) -> Result<Self> {
+        self.isa = Isa::of_kind(kind)?;
+        Ok(self)
+    }
+
+    /// Sets the parallelism; `Par::Rayon(n)` with `n > 0` builds a pool of `n` threads.
+    ///
+    /// # Errors
+    /// [`Error::Backend`] when rayon cannot start the threads.
+    pub fn with_par(mut self, par: Par) -> Result<Self> {
+        self.pool = match par {
+            Par::Rayon(n) if n > 0 => Some(Arc::new(
+                rayon::ThreadPoolBuilder::new()
+                    .num_threads(n)
+                    .build()
+                    .map_err(|e| Error::Backend {
+                        backend: "cpu",
+                        message: e.to_string(),
+                    })?,
+            )),
+            _ => None,
+        };
+        self.par = par;
+        Ok(self)
+    }
+
+    /// The ISA in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// The parallelism in use.
+    pub fn par(&self) -> Par {
+        self.par
+    }
+
+    /// Threads a call uses.
+    pub fn threads(&self) -> usize {
+        match (&self.par, &self.pool) {
+            (Par::Seq, _) => 1,
+            (_, Some(p)) => p.current_num_threads(),
+            (_, None) => rayon::current_num_threads(),
+        }
+    }
+
+    /// Dense decode attention of `q [q_heads, d]` over every token of `kv`.
+    /// `weights`, if given, receives `[q_heads, tokens]`.
+    ///
+    /// # Errors
+    /// [`Error::Length`] / [`Error::ShapeMismatch`] when the inputs do not fit `shape`.
+    pub fn dense_decode<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &K,
+        out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        check_common(shape, q, 1, kv, &out)?;
+        let n = kv.tokens();
+        if let Some(w) = &weights {
+            check_len("weights", shape.q_heads() * n, w.len())?;
+        }
+        self.run(
+            shape,
+            q,
+            1,
+            kv,
+            |_, _| Spec::Range(0, n),
+            |g| g * n,
+            out,
+            weights,
+            None,
+        );
+        Ok(())
+    }
+
+    /// Causal append (prefill) attention: `n_q` queries `[n_q, q_heads, d]`;
+    /// query `i` sees tokens `0 .. min(visible0 + i, tokens)` of `kv` (for a
+    /// chunk whose own K/V are the last `n_q` tokens, `visible0 = tokens - n_q + 1`).
+    ///
+    /// # Errors
+    /// [`Error::Length`] / [`Error::ShapeMismatch`] when the inputs do not fit `shape`.
+    pub fn dense_append<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        n_q: usize,
+        visible0: usize,
+        kv: &K,
+        out: PartialMut<'_>,
+    ) -> Result<()> {
+        let n = kv.tokens();
+        self.dense_append_with(
+            shape,
+            q,
+            n_q,
+            |t| visible0.saturating_add(t).min(n),
+            kv,
+            out,
+        )
+    }
+
+    /// Causal append where query `t` sees tokens `0..visible(t)` (`<= tokens`).
+    pub(crate) fn dense_append_with<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        n_q: usize,
+        visible: impl Fn(usize) -> usize + Sync,
+        kv: &K,
+        out: PartialMut<'_>,
+    ) -> Result<()> {
+        check_common(shape, q, n_q, kv, &out)?;
+        let n = kv.tokens();
+        self.run(
+            shape,
+            q,
+            n_q,
+            kv,
+            |t, _| Spec::Range(0, visible(t).min(n)),
+            |_| 0,
+            out,
+            None,
+            None,
+        );
+        Ok(())
+    }
+
+    /// Sparse decode that selects while it scans: KV head `g` attends to
+    /// every token `j` with `maw[g * tokens + j] > thresholds[g]` (the
+    /// paper's rule with `thresholds[g] = beta_g / n_gpu`), without building
+    /// an index list first. The chosen indices are written to `chosen`.
+    ///
+    /// # Errors
+    /// [`Error::Length`] / [`Error::ShapeMismatch`] for inputs that do not
+    /// fit, [`Error::Param`] for a NaN threshold.
+    pub fn sparse_decode_threshold<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &K,
+        maw: &[f32],
+        thresholds: &[f32],
+        out: PartialMut<'_>,
+        chosen: &mut Selection,
+    ) -> Result<()> {
+        check_common(shape, q, 1, kv, &out)?;
+        let n = kv.tokens();
+        check_len("maw", shape.kv_heads() * n, maw.len())?;
+        check_len("thresholds", shape.kv_heads(), thresholds.len())?;
+        if let Some(&t) = thresholds.iter().find(|t| t.is_nan()) {
+            return Err(Error::Param {
+                what: "threshold",
+                value: t as f64,
+                expected: "a number (not NaN)",
+            });
+        }
+        let mut lists: Vec<Vec<u32>> = Vec::new();
+        self.run(
+            shape,
+            q,
+            1,
+            kv,
+            |_, g| Spec::Threshold(&maw[g * n..(g + 1) * n], thresholds[g]),
+            |_| 0,
+            out,
+            None,
+            Some(&mut lists),
+        );
+        chosen.clear();
+        // Lists come per task in (g, sub, chunk) order; subgroup 0 holds each head's picks.
+        let plan_chunks = lists.len() / shape.kv_heads().max(1);
+        for g in 0..shape.kv_heads() {
+            chosen.begin_head();
+            for l in &lists[g * plan_chunks..(g + 1) * plan_chunks] {
+                for &j in l {
+                    chosen.push_index(j);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn plan(&self, shape: &AttnShape, tokens_q: usize, max_len: usize, scores: bool) -> Plan {
+        let group = shape.group();
+        let subs = group.div_ceil(MAX_HEADS);
+        let hsub = group.div_ceil(subs);
+        let base = tokens_q * shape.kv_heads() * subs;
+        let threads = self.threads();
+        let chunks = if threads > 1 && base < 4 * threads {
+            (4 * threads)
+                .div_ceil(base)
+                .min((max_len / MIN_CHUNK).max(1))
+        } else {
+            1
+        };
+        let scores = if scores {
+            max_len.div_ceil(chunks) + 1
+        } else {
+            0
+        };
+        Plan {
+            tokens_q,
+            kv_heads: shape.kv_heads(),
+            group,
+            subs,
+            hsub,
+            chunks,
+            d: shape.head_dim(),
+            scores,
+        }
+    }
+
+    /// The engine behind every public entry: plans tasks, runs them (in
+    /// parallel), merges chunk partials into `out` exactly, then turns raw
+    /// scores into weights normalised by the final lse.
+    #[allow(clippy::too_many_arguments)]
+    fn run<'s, T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        tokens_q: usize,
+        kv: &K,
+        spec: impl Fn(usize, usize) -> Spec<'s> + Sync,
+        weight_offset: impl Fn(usize) -> usize,
+        mut out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+        mut chosen: Option<&mut Vec<Vec<u32>>>,
+    ) {
+        let (d, group, qh) = (shape.head_dim(), shape.group(), shape.q_heads());
+        let max_len = (0..shape.kv_heads())
+            .map(|g| spec(0, g).len())
+            .max()
+            .unwrap_or(0);
+        let plan = self.plan(shape, tokens_q, max_len, weights.is_some());
+        let (n_tasks, stride) = (plan.tasks(), plan.stride());
+        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let qs_len = tokens_q * qh * d;
+        scratch.resize(qs_len + n_tasks * stride, 0.0);
+        let (qs, work) = scratch.split_at_mut(qs_len);
+        let scale = shape.scale();
+        qs.iter_mut().zip(q).for_each(|(a, &b)| *a = b * scale);
+        let qs = &*qs;
+        if let Some(c) = chosen.as_deref_mut() {
+            c.clear();
+            c.resize_with(n_tasks, Vec::new);
+        }
+        let isa = self.isa;
+        let task_fn = |i: usize, buf: &mut [f32], picked: Option<&mut Vec<u32>>| {
+            let tk = plan.task(i);
+            let (o, rest) = buf.split_at_mut(plan.hsub * d);
+            let (lse, sc) = rest.split_at_mut(plan.hsub);
+            let (o, lse) = (&mut o[..tk.hn * d], &mut lse[..tk.hn]);
+            o.fill(0.0);
+            let mut run = [Run::EMPTY; MAX_HEADS];
+            let run = &mut run[..tk.hn];
+            let qrow = (tk.t * qh + tk.g * group + tk.h0) * d;
+            let qv = &qs[qrow..qrow + tk.hn * d];
+            let so = (plan.scores > 0).then(|| ScoreOut {
+                buf: &mut *sc,
+                stride: plan.scores,
+            });
+            let sp = spec(tk.t, tk.g);
+            let (a, b) = plan.bounds(sp.len(), tk.c);
+            dispatch!(isa, s => match sp {
+                Spec::List(l) => attend(s, kv, tk.g, qv, tk.hn, d, ListTokens(&l[a..b]), o, run, so),
+                Spec::Range(lo, _) => attend(s, kv, tk.g, qv, tk.hn, d, RangeTokens { start: lo + a, end: lo + b }, o, run, so),
+                Spec::Threshold(maw, t) => {
+                    let mut sink = Vec::new();
+                    let chosen = picked.unwrap_or(&mut sink);
+                    let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
+                    attend(s, kv, tk.g, qv, tk.hn, d, toks, o, run, so)
+                }
+            });
+            finish(o, lse, run, d);
+        };
+        let work = &mut work[..n_tasks * stride];
+        match (&self.par, &self.pool, chosen.as_deref_mut()) {
+            (Par::Seq, _, picked) => {
+                let mut picked = picked.map(|p| p.iter_mut());
+                for (i, buf) in work.chunks_mut(stride).enumerate() {
+                    task_fn(i, buf, picked.as_mut().and_then(|p| p.next()));
+                }
+            }
+            (_, pool, picked) => {
+                use rayon::prelude::*;
+                let go = || match picked {
+                    Some(p) => work
+                        .par_chunks_mut(stride)
+                        .zip(p.par_iter_mut())
+                        .enumerate()
+                        .for_each(|(i, (buf, pk))| task_fn(i, buf, Some(pk))),
+                    None => work
+                        .par_chunks_mut(stride)
+                        .enumerate()
+                        .for_each(|(i, buf)| task_fn(i, buf, None)),
+                };
+                match pool {
+                    Some(p) => p.install(go),
+                    None => go(),
+                }
+            }
+        }
+        // Merge the chunks of each (token, head) row, exactly.
+        let (out_o, out_lse) = out.parts_mut();
+        for (i, buf) in work.chunks(stride).enumerate() {
+            let tk = plan.task(i);
+            for h in 0..tk.hn {
+                let r = tk.t * qh + tk.g * group + tk.h0 + h;
+                let (src, l) = (&buf[h * d..(h + 1) * d], buf[plan.hsub * d + h]);
+                let dst = &mut out_o[r * d..(r + 1) * d];
+                if tk.c == 0 {
+                    dst.copy_from_slice(src);
+                    out_lse[r] = l;
+                } else {
+                    merge2_row(dst, &mut out_lse[r], src, l);
+                }
+            }
+        }
+        // Raw scores -> softmax weights over everything this call attended.
+        if let Some(w) = weights {
+            for (i, buf) in work.chunks(stride).enumerate() {
+                let tk = plan.task(i);
+                let len = spec(tk.t, tk.g).len();
+                let (a, b) = plan.bounds(len, tk.c);
+                let sc = &buf[plan.hsub * (d + 1)..];
+                for h in 0..tk.hn {
+                    let hg = tk.h0 + h;
+                    let lse = out_lse[tk.g * group + hg];
+                    let base = group * weight_offset(tk.g) + hg * len;
+                    let src = &sc[h * plan.scores..h * plan.scores + (b - a)];
+                    exp_shifted(isa, src, lse, &mut w[base + a..base + b]);
+                }
+            }
+        }
+    }
+}
+
+/// `dst[i] = exp(src[i] - shift)`, vectorised.
+fn exp_shifted(isa: Isa, src: &[f32], shift: f32, dst: &mut [f32]) {
+    dispatch!(isa, s => exp_shifted_simd(s, src, shift, dst))
+}
+
+#[inline(always)]
+fn exp_shifted_simd<S: Simd>(s: S, src: &[f32], shift: f32, dst: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    let m = s.splat_f32s(shift);
+    let full = src.len() - src.len() % lanes;
+    let mut i = 0;
+    while i < full {
+        store(
+            s,
+            &mut dst[i..],
+            exp_neg(s, s.sub_f32s(load(s, &src[i..]), m)),
+        );
+        i += lanes;
+    }
+    for j in full..src.len() {
+        dst[j] = (src[j] - shift).exp();
+    }
+}
+
+fn check_common<T: SimdElem, K: KvSource<T>>(
+    shape: &AttnShape,
+    q: &[f32],
+    n_q: usize,
+    kv: &K,
+    out: &PartialMut<'_>,
+) -> Result<()> {
+    check_len("q", n_q * shape.q_len(), q.len())?;
+    kv.check_shape(shape)?;
+    let want = PartialLayout::append(shape, n_q);
+    if out.layout() != want {
+        return Err(Error::ShapeMismatch {
+            what: "output partial",
+            expected: format!("{want:?}"),
+            found: format!("{:?}", out.layout()),
+        });
+    }
+    Ok(())
+}
+
+impl SparseAttention for CpuBackend {
+    fn sparse_decode<T: hgca_kernels::KvElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &K,
+        sel: &Selection,
+        out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        check_common(shape, q, 1, kv, &out)?;
+        sel.validate(shape.kv_heads(), kv.tokens())?;
+        if let Some(w) = &weights {
+            check_len("weights", shape.group() * sel.total(), w.len())?;
+        }
+        self.run(
+            shape,
+            q,
+            1,
+            kv,
+            |_, g| Spec::List(sel.head(g)),
+            |g| sel.offset(g),
+            out,
+            weights,
+            None,
+        );
+        Ok(())
+    }
+}
+
+impl MergeBackend for CpuBackend {
+    fn merge(&self, parts: &[PartialRef<'_>], dst: PartialMut<'_>) -> Result<()> {
+        hgca_kernels::merge(parts, dst)
+    }
+    fn merge_into(&self, acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()> {
+        hgca_kernels::merge_into(acc, src)
+    }
+}

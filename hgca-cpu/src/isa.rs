@@ -1,0 +1,395 @@
+//! Instruction sets: run-time detection, and the few operations the kernels
+//! need beyond `pulp::Simd` (widening f16/bf16 loads, prefetch, exp).
+//!
+//! ISA modules: `scalar`, `v3` (AVX2+FMA), `v4` (AVX-512), `neon`. All
+//! unsafe code of the crate lives here, each block with its SAFETY line.
+
+use core::fmt;
+
+use half::{bf16, f16};
+use hgca_kernels::{DType, Error, KvElem, Result};
+use pulp::Simd;
+
+/// An instruction set the CPU kernels can run on.
+#[derive(Clone, Copy)]
+pub enum Isa {
+    /// Portable scalar code.
+    Scalar,
+    /// x86-64 AVX2 + FMA (x86-64-v3).
+    #[cfg(target_arch = "x86_64")]
+    V3(pulp::x86::V3),
+    /// x86-64 AVX-512 F/BW/CD/DQ/VL (x86-64-v4).
+    #[cfg(target_arch = "x86_64")]
+    V4(pulp::x86::V4),
+    /// aarch64 Advanced SIMD.
+    #[cfg(target_arch = "aarch64")]
+    Neon(pulp::aarch64::Neon),
+}
+
+/// The name of an ISA, without the detection token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum IsaKind {
+    /// Scalar.
+    Scalar,
+    /// AVX2 + FMA.
+    V3,
+    /// AVX-512.
+    V4,
+    /// NEON.
+    Neon,
+}
+
+impl IsaKind {
+    /// Short name used in bench ids and logs.
+    pub const fn name(self) -> &'static str {
+        match self {
+            IsaKind::Scalar => "scalar",
+            IsaKind::V3 => "v3",
+            IsaKind::V4 => "v4",
+            IsaKind::Neon => "neon",
+        }
+    }
+}
+
+impl PartialEq for Isa {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind() == other.kind()
+    }
+}
+impl Eq for Isa {}
+
+impl fmt::Debug for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind().name())
+    }
+}
+
+impl fmt::Display for Isa {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.kind().name())
+    }
+}
+
+impl Isa {
+    /// The best ISA of this machine (detected at run time).
+    pub fn detect() -> Self {
+        *Self::available()
+            .last()
+            .expect("scalar is always available")
+    }
+
+    /// Every ISA this machine can run, worst first (scalar always).
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if let Some(s) = pulp::x86::V3::try_new() {
+                v.push(Isa::V3(s));
+            }
+            if let Some(s) = pulp::x86::V4::try_new() {
+                v.push(Isa::V4(s));
+            }
+        }
+        #[cfg(target_arch = "aarch64")]
+        if let Some(s) = pulp::aarch64::Neon::try_new() {
+            v.push(Isa::Neon(s));
+        }
+        v
+    }
+
+    /// The ISA of that kind, if this machine has it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the CPU lacks it.
+    pub fn of_kind(kind: IsaKind) -> Result<Isa> {
+        Self::available()
+            .into_iter()
+            .find(|i| i.kind() == kind)
+            .ok_or_else(|| Error::Unavailable {
+                backend: "cpu",
+                reason: format!("this CPU has no {} instructions", kind.name()),
+            })
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> IsaKind {
+        match self {
+            Isa::Scalar => IsaKind::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            Isa::V3(_) => IsaKind::V3,
+            #[cfg(target_arch = "x86_64")]
+            Isa::V4(_) => IsaKind::V4,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon(_) => IsaKind::Neon,
+        }
+    }
+
+    /// f32 lanes of one vector.
+    pub fn lanes(&self) -> usize {
+        match self {
+            Isa::Scalar => 1,
+            #[cfg(target_arch = "x86_64")]
+            Isa::V3(_) => 8,
+            #[cfg(target_arch = "x86_64")]
+            Isa::V4(_) => 16,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon(_) => 4,
+        }
+    }
+}
+
+/// Runs `$body` with `$s` bound to the concrete SIMD token of `$isa`,
+/// inside that ISA's `vectorize` (so the target features are enabled and
+/// the `#[inline(always)]` kernels are compiled for them).
+macro_rules! dispatch {
+    ($isa:expr, $s:ident => $body:expr) => {
+        match $isa {
+            $crate::isa::Isa::Scalar => {
+                let $s = pulp::Scalar::new();
+                pulp::Simd::vectorize(
+                    $s,
+                    #[inline(always)]
+                    || $body,
+                )
+            }
+            #[cfg(target_arch = "x86_64")]
+            $crate::isa::Isa::V3($s) => pulp::Simd::vectorize(
+                $s,
+                #[inline(always)]
+                || $body,
+            ),
+            #[cfg(target_arch = "x86_64")]
+            $crate::isa::Isa::V4($s) => pulp::Simd::vectorize(
+                $s,
+                #[inline(always)]
+                || $body,
+            ),
+            #[cfg(target_arch = "aarch64")]
+            $crate::isa::Isa::Neon($s) => pulp::Simd::vectorize(
+                $s,
+                #[inline(always)]
+                || $body,
+            ),
+        }
+    };
+}
+pub(crate) use dispatch;
+
+/// What the kernels need from an ISA beyond `pulp::Simd`.
+pub trait Kern: Simd {
+    /// Widens `LANES` f16 values to f32 (exact).
+    fn widen_f16(self, src: &[f16]) -> Self::f32s;
+    /// Widens `LANES` bf16 values to f32 (exact).
+    fn widen_bf16(self, src: &[bf16]) -> Self::f32s;
+    /// Hints the cache to fetch the line holding `p`. Never faults.
+    #[inline(always)]
+    fn prefetch(self, p: *const u8) {
+        let _ = p;
+    }
+}
+
+/// Loads exactly one vector of f32 from the first `LANES` elements of `src`.
+#[inline(always)]
+pub fn load<S: Simd>(_simd: S, src: &[f32]) -> S::f32s {
+    bytemuck::pod_read_unaligned(bytemuck::cast_slice(&src[..S::F32_LANES]))
+}
+
+/// Stores one vector into the first `LANES` elements of `dst`.
+#[inline(always)]
+pub fn store<S: Simd>(_simd: S, dst: &mut [f32], v: S::f32s) {
+    bytemuck::cast_slice_mut::<f32, u8>(&mut dst[..S::F32_LANES])
+        .copy_from_slice(bytemuck::bytes_of(&v));
+}
+
+/// A KV element the kernels can load as a vector of f32: every [`KvElem`]
+/// (the match on the dtype constant is resolved at compile time).
+pub trait SimdElem: KvElem {
+    /// Loads `LANES` elements widened to f32.
+    fn load<S: Kern>(simd: S, src: &[Self]) -> S::f32s;
+}
+
+impl<T: KvElem> SimdElem for T {
+    #[inline(always)]
+    fn load<S: Kern>(simd: S, src: &[T]) -> S::f32s {
+        match T::DTYPE {
+            DType::F32 => load(simd, bytemuck::cast_slice::<T, f32>(src)),
+            DType::F16 => simd.widen_f16(bytemuck::cast_slice::<T, f16>(src)),
+            DType::BF16 => simd.widen_bf16(bytemuck::cast_slice::<T, bf16>(src)),
+        }
+    }
+}
+
+impl Kern for pulp::Scalar {
+    #[inline(always)]
+    fn widen_f16(self, src: &[f16]) -> f32 {
+        src[0].to_f32()
+    }
+    #[inline(always)]
+    fn widen_bf16(self, src: &[bf16]) -> f32 {
+        src[0].to_f32()
+    }
+}
+
+/// `exp(x)` for `x <= 0` (scores minus their running max), vectorised:
+/// `x = n ln2 + r`, a degree-6 polynomial for `exp(r)` on `|r| <= ln2/2`,
+/// and `2^n` built in the exponent bits. Inputs below -87 give about 1e-38
+/// (the polynomial's floor), which no softmax can tell from 0; -inf gives 0.
+/// Relative error about 2e-7.
+#[inline(always)]
+pub fn exp_neg<S: Simd>(s: S, x: S::f32s) -> S::f32s {
+    let is_neg_inf = s.less_than_f32s(x, s.splat_f32s(-1e30));
+    let x = s.max_f32s(x, s.splat_f32s(-87.0));
+    // Round x*log2(e) to nearest with the 1.5*2^23 trick; keep n + 127 in the low mantissa bits.
+    let magic = s.splat_f32s(12_582_912.0 + 127.0);
+    let t = s.mul_add_f32s(x, s.splat_f32s(core::f32::consts::LOG2_E), magic);
+    let n = s.sub_f32s(t, magic); // round(x log2 e), as f32
+    let r = s.mul_add_f32s(n, s.splat_f32s(-0.693_359_4), x);
+    let r = s.mul_add_f32s(n, s.splat_f32s(2.121_944_4e-4), r);
+    let mut p = s.splat_f32s(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = s.mul_add_f32s(p, r, s.splat_f32s(c));
+    }
+    let bits = s.wrapping_dyn_shl_u32s(s.transmute_u32s_f32s(t), s.splat_u32s(23));
+    let y = s.mul_f32s(p, s.transmute_f32s_u32s(bits));
+    s.select_f32s(is_neg_inf, s.splat_f32s(0.0), y)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Kern;
+    use core::arch::x86_64::*;
+    use half::{bf16, f16};
+    use pulp::x86::{V3, V4};
+
+    impl Kern for V4 {
+        #[inline(always)]
+        fn widen_f16(self, src: &[f16]) -> Self::f32s {
+            let src = &src[..16];
+            // SAFETY: `src` holds 16 f16 = 32 bytes (checked above); the V4
+            // token proves AVX-512F, which provides vcvtph2ps zmm.
+            unsafe { pulp::cast(_mm512_cvtph_ps(_mm256_loadu_si256(src.as_ptr().cast()))) }
+        }
+        #[inline(always)]
+        fn widen_bf16(self, src: &[bf16]) -> Self::f32s {
+            let src = &src[..16];
+            // SAFETY: 32 readable bytes (checked above); the V4 token proves AVX-512F.
+            unsafe {
+                let h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.as_ptr().cast()));
+                pulp::cast(_mm512_slli_epi32::<16>(h))
+            }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // SAFETY: prefetch never dereferences architecturally, any address is allowed.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+    }
+
+    impl Kern for V3 {
+        #[inline(always)]
+        fn widen_f16(self, src: &[f16]) -> Self::f32s {
+            let src = &src[..8];
+            // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
+            // token proves AVX2. pulp's V3 does not include F16C, so the
+            // conversion is done exactly with integer ops: shift exponent and
+            // mantissa into place, rebias by 2^112 (which also normalises
+            // subnormals exactly), restore inf/NaN and the sign.
+            unsafe {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
+                let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
+                let em = _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)));
+                let f = _mm256_mul_ps(
+                    _mm256_castsi256_ps(em),
+                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7780_0000)),
+                );
+                let exp = _mm256_and_si256(h, _mm256_set1_epi32(0x7c00));
+                let special = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x7c00));
+                let infnan =
+                    _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x7f80_0000)));
+                let f = _mm256_blendv_ps(f, infnan, _mm256_castsi256_ps(special));
+                pulp::cast(_mm256_or_ps(f, _mm256_castsi256_ps(sign)))
+            }
+        }
+        #[inline(always)]
+        fn widen_bf16(self, src: &[bf16]) -> Self::f32s {
+            let src = &src[..8];
+            // SAFETY: 16 readable bytes (checked above); the V3 token proves AVX2.
+            unsafe {
+                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
+                pulp::cast(_mm256_slli_epi32::<16>(h))
+            }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // SAFETY: prefetch never dereferences architecturally, any address is allowed.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::Kern;
+    use core::arch::aarch64::*;
+    use half::{bf16, f16};
+    use pulp::aarch64::Neon;
+    use std::sync::OnceLock;
+
+    /// Whether the CPU has FEAT_FP16 (then f16 widens with `fcvtl`; without
+    /// it, with exact integer ops). Both paths are exact; tests run both.
+    pub(crate) fn has_fp16() -> bool {
+        static FP16: OnceLock<bool> = OnceLock::new();
+        *FP16.get_or_init(|| {
+            std::env::var_os("HGCA_NEON_NO_FP16").is_none()
+                && std::arch::is_aarch64_feature_detected!("fp16")
+        })
+    }
+
+    impl Kern for Neon {
+        #[inline(always)]
+        fn widen_f16(self, src: &[f16]) -> Self::f32s {
+            let src = &src[..4];
+            if has_fp16() {
+                // SAFETY: 8 readable bytes (checked above); fcvtl is base
+                // AdvSIMD, and the Neon token proves AdvSIMD.
+                unsafe {
+                    let h = vld1_u16(src.as_ptr().cast());
+                    let out: float32x4_t;
+                    core::arch::asm!("fcvtl {o:v}.4s, {i:v}.4h", o = out(vreg) out, i = in(vreg) h, options(pure, nomem, nostack));
+                    pulp::cast(out)
+                }
+            } else {
+                // SAFETY: 8 readable bytes (checked above); the Neon token proves AdvSIMD.
+                unsafe {
+                    let h = vmovl_u16(vld1_u16(src.as_ptr().cast()));
+                    let sign = vshlq_n_u32::<16>(vandq_u32(h, vdupq_n_u32(0x8000)));
+                    let em = vshlq_n_u32::<13>(vandq_u32(h, vdupq_n_u32(0x7fff)));
+                    let f = vmulq_f32(
+                        vreinterpretq_f32_u32(em),
+                        vreinterpretq_f32_u32(vdupq_n_u32(0x7780_0000)),
+                    );
+                    let special = vceqq_u32(vandq_u32(h, vdupq_n_u32(0x7c00)), vdupq_n_u32(0x7c00));
+                    let infnan = vorrq_u32(em, vdupq_n_u32(0x7f80_0000));
+                    let f = vbslq_u32(special, infnan, vreinterpretq_u32_f32(f));
+                    pulp::cast(vorrq_u32(f, sign))
+                }
+            }
+        }
+        #[inline(always)]
+        fn widen_bf16(self, src: &[bf16]) -> Self::f32s {
+            let src = &src[..4];
+            // SAFETY: 8 readable bytes (checked above); the Neon token proves AdvSIMD.
+            unsafe { pulp::cast(vshll_n_u16::<16>(vld1_u16(src.as_ptr().cast()))) }
+        }
+        #[inline(always)]
+        fn prefetch(self, p: *const u8) {
+            // SAFETY: prfm never faults, any address is allowed.
+            unsafe {
+                core::arch::asm!("prfm pldl1keep, [{p}]", p = in(reg) p, options(nostack, readonly, preserves_flags))
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+pub use neon::has_fp16 as neon_has_fp16;

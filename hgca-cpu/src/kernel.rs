@@ -1,0 +1,308 @@
+//! The attention kernel, written once for every ISA (`S: Kern`) and KV
+//! dtype (`T: SimdElem`).
+//!
+//! One call attends `heads <= MAX_HEADS` query heads of one GQA group to a
+//! stream of tokens of their KV head, in blocks of [`BLOCK`] tokens:
+//!
+//! 1. prefetch every K and V cache line of the *next* block (the gather
+//!    stays bandwidth-bound: many rows in flight, not one);
+//! 2. scores of the block for all heads: each K row is loaded and widened
+//!    once and used by every head of the group;
+//! 3. online softmax: the running max moves, accumulators are rescaled, the
+//!    block's weights come from a vectorised `exp`;
+//! 4. each V row is loaded once and accumulated into every head's output.
+//!
+//! Accumulation is f32 throughout.
+
+use hgca_kernels::KvSource;
+use pulp::Simd;
+
+use crate::isa::{Kern, SimdElem, exp_neg, load, store};
+
+/// Tokens per block.
+pub(crate) const BLOCK: usize = 16;
+/// Query heads one kernel call serves (larger groups are split).
+pub(crate) const MAX_HEADS: usize = 8;
+
+/// Running softmax state of one query head: max score `m`, sum `l` of `exp(s - m)`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Run {
+    pub m: f32,
+    pub l: f32,
+}
+
+impl Run {
+    pub const EMPTY: Run = Run {
+        m: f32::NEG_INFINITY,
+        l: 0.0,
+    };
+}
+
+/// A stream of token indices, handed out a block at a time.
+pub(crate) trait Tokens {
+    /// Fills `buf` with up to `BLOCK` indices; returns how many (0 at the end).
+    fn next_block(&mut self, buf: &mut [usize; BLOCK]) -> usize;
+}
+
+/// Tokens from an index list.
+pub(crate) struct ListTokens<'a>(pub &'a [u32]);
+
+impl Tokens for ListTokens<'_> {
+    #[inline(always)]
+    fn next_block(&mut self, buf: &mut [usize; BLOCK]) -> usize {
+        let n = self.0.len().min(BLOCK);
+        for (b, &j) in buf.iter_mut().zip(&self.0[..n]) {
+            *b = j as usize;
+        }
+        self.0 = &self.0[n..];
+        n
+    }
+}
+
+/// Tokens `start..end`.
+pub(crate) struct RangeTokens {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Tokens for RangeTokens {
+    #[inline(always)]
+    fn next_block(&mut self, buf: &mut [usize; BLOCK]) -> usize {
+        let n = (self.end - self.start).min(BLOCK);
+        for (i, b) in buf.iter_mut().enumerate().take(n) {
+            *b = self.start + i;
+        }
+        self.start += n;
+        n
+    }
+}
+
+/// Tokens `j` of `start..end` with `maw[j] > threshold`, selected while
+/// scanning (no index list is built first); the chosen ones are recorded.
+pub(crate) struct ThresholdTokens<'a> {
+    pub maw: &'a [f32],
+    pub threshold: f32,
+    pub pos: usize,
+    pub end: usize,
+    pub chosen: &'a mut Vec<u32>,
+}
+
+impl Tokens for ThresholdTokens<'_> {
+    #[inline(always)]
+    fn next_block(&mut self, buf: &mut [usize; BLOCK]) -> usize {
+        let mut n = 0;
+        while n < BLOCK && self.pos < self.end {
+            let j = self.pos;
+            self.pos += 1;
+            if self.maw[j] > self.threshold {
+                buf[n] = j;
+                n += 1;
+                self.chosen.push(j as u32);
+            }
+        }
+        n
+    }
+}
+
+/// Where a kernel call writes its raw (scaled) scores, if asked:
+/// head `h`'s score of the `i`-th token at `buf[h * stride + i]`.
+pub(crate) struct ScoreOut<'a> {
+    pub buf: &'a mut [f32],
+    pub stride: usize,
+}
+
+#[inline(always)]
+fn prefetch_row<S: Kern, T>(s: S, row: &[T]) {
+    let bytes = core::mem::size_of_val(row);
+    let p = row.as_ptr().cast::<u8>();
+    let mut off = 0;
+    while off < bytes {
+        s.prefetch(p.wrapping_add(off));
+        off += 64;
+    }
+}
+
+/// Attends `heads` query heads (`q`: `[heads, d]`, already multiplied by
+/// the score scale) to `tokens` of KV head `g`, accumulating into `o`
+/// (`[heads, d]`, unnormalised) and `run` (one per head). Call
+/// [`finish`] afterwards.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
+    s: S,
+    kv: &K,
+    g: usize,
+    q: &[f32],
+    heads: usize,
+    d: usize,
+    mut tokens: I,
+    o: &mut [f32],
+    run: &mut [Run],
+    mut scores: Option<ScoreOut<'_>>,
+) {
+    debug_assert!(heads <= MAX_HEADS && q.len() == heads * d && o.len() == heads * d);
+    let mut cur = [0usize; BLOCK];
+    let mut next = [0usize; BLOCK];
+    let mut n = tokens.next_block(&mut cur);
+    let mut done = 0usize;
+    let mut sc = [[0.0f32; BLOCK]; MAX_HEADS];
+    while n > 0 {
+        let n_next = tokens.next_block(&mut next);
+        for &j in &next[..n_next] {
+            prefetch_row(s, kv.k_row(g, j));
+            prefetch_row(s, kv.v_row(g, j));
+        }
+        let krows: [&[T]; BLOCK] = core::array::from_fn(|i| kv.k_row(g, cur[i.min(n - 1)]));
+        let vrows: [&[T]; BLOCK] = core::array::from_fn(|i| kv.v_row(g, cur[i.min(n - 1)]));
+        let mut h0 = 0;
+        while h0 < heads {
+            let q = &q[h0 * d..];
+            let sc = &mut sc[h0..];
+            match heads - h0 {
+                1 => scores_block::<S, T, 1>(s, &krows, n, q, d, sc),
+                2 => scores_block::<S, T, 2>(s, &krows, n, q, d, sc),
+                3 => scores_block::<S, T, 3>(s, &krows, n, q, d, sc),
+                _ => scores_block::<S, T, 4>(s, &krows, n, q, d, sc),
+            }
+            h0 += 4;
+        }
+        for h in 0..heads {
+            let row = &mut sc[h];
+            row[n..].fill(f32::NEG_INFINITY);
+            if let Some(out) = scores.as_mut() {
+                out.buf[h * out.stride + done..h * out.stride + done + n]
+                    .copy_from_slice(&row[..n]);
+            }
+            let bm = row[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let r = &mut run[h];
+            if bm > r.m {
+                let alpha = (r.m - bm).exp();
+                r.l *= alpha;
+                scale_row(s, &mut o[h * d..(h + 1) * d], alpha);
+                r.m = bm;
+            }
+            let m = s.splat_f32s(r.m);
+            let mut lsum = 0.0f32;
+            for c in row.chunks_exact_mut(S::F32_LANES) {
+                let p = exp_neg(s, s.sub_f32s(load(s, c), m));
+                lsum += s.reduce_sum_f32s(p);
+                store(s, c, p);
+            }
+            r.l += lsum;
+        }
+        let mut h0 = 0;
+        while h0 < heads {
+            let o = &mut o[h0 * d..];
+            let p = &sc[h0..];
+            match heads - h0 {
+                1 => values_block::<S, T, 1>(s, &vrows, n, p, d, o),
+                2 => values_block::<S, T, 2>(s, &vrows, n, p, d, o),
+                3 => values_block::<S, T, 3>(s, &vrows, n, p, d, o),
+                _ => values_block::<S, T, 4>(s, &vrows, n, p, d, o),
+            }
+            h0 += 4;
+        }
+        done += n;
+        core::mem::swap(&mut cur, &mut next);
+        n = n_next;
+    }
+}
+
+#[inline(always)]
+fn scale_row<S: Simd>(s: S, o: &mut [f32], alpha: f32) {
+    let a = s.splat_f32s(alpha);
+    let (head, tail) = S::as_mut_simd_f32s(o);
+    for x in head {
+        *x = s.mul_f32s(*x, a);
+    }
+    for x in tail {
+        *x *= alpha;
+    }
+}
+
+/// Scores of `n` tokens for `H` heads: `sc[h][j] = dot(q_h, k_j)`.
+#[inline(always)]
+fn scores_block<S: Kern, T: SimdElem, const H: usize>(
+    s: S,
+    krows: &[&[T]; BLOCK],
+    n: usize,
+    q: &[f32],
+    d: usize,
+    sc: &mut [[f32; BLOCK]],
+) {
+    let lanes = S::F32_LANES;
+    let full = d - d % lanes;
+    let qh: [&[f32]; H] = core::array::from_fn(|h| &q[h * d..(h + 1) * d]);
+    for (j, k) in krows.iter().enumerate().take(n) {
+        let k = &k[..d];
+        let mut acc = [s.splat_f32s(0.0); H];
+        let mut c = 0;
+        while c < full {
+            let kv = T::load(s, &k[c..]);
+            for h in 0..H {
+                acc[h] = s.mul_add_f32s(kv, load(s, &qh[h][c..]), acc[h]);
+            }
+            c += lanes;
+        }
+        for h in 0..H {
+            let mut x = s.reduce_sum_f32s(acc[h]);
+            for t in full..d {
+                x += k[t].to_f32() * qh[h][t];
+            }
+            sc[h][j] = x;
+        }
+    }
+}
+
+/// `o_h += sum_j p[h][j] * v_j` for `H` heads.
+#[inline(always)]
+fn values_block<S: Kern, T: SimdElem, const H: usize>(
+    s: S,
+    vrows: &[&[T]; BLOCK],
+    n: usize,
+    p: &[[f32; BLOCK]],
+    d: usize,
+    o: &mut [f32],
+) {
+    let lanes = S::F32_LANES;
+    let full = d - d % lanes;
+    let mut c = 0;
+    while c < full {
+        let mut acc: [S::f32s; H] = core::array::from_fn(|h| load(s, &o[h * d + c..]));
+        for (j, v) in vrows.iter().enumerate().take(n) {
+            let vv = T::load(s, &v[c..]);
+            for h in 0..H {
+                acc[h] = s.mul_add_f32s(s.splat_f32s(p[h][j]), vv, acc[h]);
+            }
+        }
+        for h in 0..H {
+            store(s, &mut o[h * d + c..], acc[h]);
+        }
+        c += lanes;
+    }
+    for t in full..d {
+        for h in 0..H {
+            let mut x = o[h * d + t];
+            for (j, v) in vrows.iter().enumerate().take(n) {
+                x += p[h][j] * v[t].to_f32();
+            }
+            o[h * d + t] = x;
+        }
+    }
+}
+
+/// Normalises: `o_h /= l_h`, `lse_h = m_h + ln l_h`; no token gives `(0, -inf)`.
+#[inline(always)]
+pub(crate) fn finish(o: &mut [f32], lse: &mut [f32], run: &[Run], d: usize) {
+    for (h, r) in run.iter().enumerate() {
+        let row = &mut o[h * d..(h + 1) * d];
+        if r.l == 0.0 {
+            row.fill(0.0);
+            lse[h] = f32::NEG_INFINITY;
+        } else {
+            let inv = 1.0 / r.l;
+            row.iter_mut().for_each(|x| *x *= inv);
+            lse[h] = r.m + r.l.ln();
+        }
+    }
+}

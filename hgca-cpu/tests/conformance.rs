@@ -1,0 +1,448 @@
+//! The conformance suite of the CPU backend, instantiated for every ISA the
+//! machine has (and for sequential and threaded runs), against hgca-ref.
+
+use hgca_cpu::{CpuBackend, IsaKind, Par};
+use hgca_kernels::{
+    AttnShape, DType, Error, KvElem, KvSource, KvStore, Partial, PartialLayout, Selection,
+    SparseAttention, bf16, f16,
+};
+use hgca_testkit::{
+    EDGE_SHAPES, Problem, Rng, Tolerance, arb_shape, arb_spread, check_rows,
+    conformance::{check_dense, check_merge_partition, check_sparse, random_sets},
+};
+use proptest::prelude::*;
+
+/// The backend for `kind`, or `None` (skip, with the reason printed) when
+/// the CPU lacks it. `HGCA_REQUIRE_ISAS=v3,v4` turns the skip into a failure.
+fn backend(kind: IsaKind, par: Par) -> Option<CpuBackend> {
+    match CpuBackend::new().with_isa(kind) {
+        Ok(b) => Some(b.with_par(par).expect("thread pool")),
+        Err(e) => {
+            let required = std::env::var("HGCA_REQUIRE_ISAS").unwrap_or_default();
+            if required.split(',').any(|r| r.trim() == kind.name()) {
+                panic!(
+                    "ISA {} is required (HGCA_REQUIRE_ISAS) but unavailable: {e}",
+                    kind.name()
+                );
+            }
+            eprintln!("SKIP: ISA {} not available here: {e}", kind.name());
+            None
+        }
+    }
+}
+
+fn selection(rng: &mut Rng, kv_heads: usize, tokens: usize) -> Selection {
+    let sets = random_sets(rng, kv_heads, tokens);
+    let mut sel = Selection::new();
+    for s in sets {
+        // Shuffled order: the kernel must not rely on sorted indices.
+        let mut s: Vec<u32> = s.into_iter().map(|j| j as u32).collect();
+        for i in (1..s.len()).rev() {
+            s.swap(i, rng.below(i + 1));
+        }
+        sel.push_head(s);
+    }
+    sel
+}
+
+fn sparse_case(
+    b: &CpuBackend,
+    dtype: DType,
+    shape: AttnShape,
+    tokens: usize,
+    spread: f32,
+    seed: u64,
+) -> Result<(), String> {
+    fn go<T: KvElem>(
+        b: &CpuBackend,
+        shape: AttnShape,
+        tokens: usize,
+        spread: f32,
+        seed: u64,
+    ) -> Result<(), String> {
+        let p = Problem::<T>::random(shape, tokens, spread, seed);
+        let sel = selection(&mut Rng::new(seed ^ 0x5E1), shape.kv_heads(), tokens);
+        check_sparse(b, &p, &sel)
+    }
+    match dtype {
+        DType::F32 => go::<f32>(b, shape, tokens, spread, seed),
+        DType::F16 => go::<f16>(b, shape, tokens, spread, seed),
+        DType::BF16 => go::<bf16>(b, shape, tokens, spread, seed),
+    }
+}
+
+/// Dense decode over all tokens equals sparse over all tokens equals the reference; weights too.
+fn dense_all_case<T: KvElem>(
+    b: &CpuBackend,
+    shape: AttnShape,
+    tokens: usize,
+    spread: f32,
+    seed: u64,
+) -> Result<(), String> {
+    let p = Problem::<T>::random(shape, tokens, spread, seed);
+    let layout = PartialLayout::decode(&shape);
+    let mut dense = Partial::poisoned(layout);
+    let mut w = vec![f32::NAN; shape.q_heads() * tokens];
+    b.dense_decode(&shape, &p.q, &p.kv(), dense.as_mut(), Some(&mut w))
+        .map_err(|e| e.to_string())?;
+    let all: Vec<Vec<usize>> = vec![(0..tokens).collect(); shape.kv_heads()];
+    check_rows(
+        layout,
+        dense.out(),
+        dense.lse(),
+        &p.reference(&all),
+        p.vmax,
+        Tolerance::of(T::DTYPE),
+    )?;
+    let mut sparse = Partial::poisoned(layout);
+    let mut ws = vec![f32::NAN; shape.q_heads() * tokens];
+    b.sparse_decode(
+        &shape,
+        &p.q,
+        &p.kv(),
+        &Selection::all(shape.kv_heads(), tokens),
+        sparse.as_mut(),
+        Some(&mut ws),
+    )
+    .map_err(|e| e.to_string())?;
+    if dense != sparse || w != ws {
+        return Err("dense and all-selected sparse differ".into());
+    }
+    Ok(())
+}
+
+/// Causal append against the reference: query i sees tokens 0..visible0+i.
+fn append_case(
+    b: &CpuBackend,
+    shape: AttnShape,
+    tokens: usize,
+    n_q: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let p = Problem::<f16>::random(shape, tokens, 10.0, seed);
+    let mut rng = Rng::new(seed);
+    let q: Vec<f32> = (0..n_q * shape.q_len()).map(|_| 2.0 * rng.sym()).collect();
+    let visible0 = tokens.saturating_sub(n_q) + 1;
+    let layout = PartialLayout::append(&shape, n_q);
+    let mut out = Partial::poisoned(layout);
+    b.dense_append(&shape, &q, n_q, visible0, &p.kv(), out.as_mut())
+        .map_err(|e| e.to_string())?;
+    let mut want = Vec::new();
+    for i in 0..n_q {
+        let sets = vec![(0..(visible0 + i).min(tokens)).collect::<Vec<_>>(); shape.kv_heads()];
+        let s = &shape;
+        want.extend(hgca_ref::attend(
+            &q[i * s.q_len()..(i + 1) * s.q_len()],
+            &p.k32,
+            &p.v32,
+            s.q_heads(),
+            s.kv_heads(),
+            s.head_dim(),
+            tokens,
+            s.scale() as f64,
+            &sets,
+        ));
+    }
+    check_rows(
+        layout,
+        out.out(),
+        out.lse(),
+        &want,
+        p.vmax,
+        Tolerance::of(DType::F16),
+    )
+}
+
+/// The fused threshold form selects exactly `maw > t` and equals the list form.
+fn threshold_case(
+    b: &CpuBackend,
+    shape: AttnShape,
+    tokens: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let p = Problem::<bf16>::random(shape, tokens, 5.0, seed);
+    let mut rng = Rng::new(seed);
+    let maw: Vec<f32> = (0..shape.kv_heads() * tokens)
+        .map(|_| rng.sym().abs())
+        .collect();
+    let t: Vec<f32> = (0..shape.kv_heads())
+        .map(|_| [0.0, 0.5, 0.9, 2.0][rng.below(4)])
+        .collect();
+    let layout = PartialLayout::decode(&shape);
+    let mut out = Partial::poisoned(layout);
+    let mut chosen = Selection::new();
+    b.sparse_decode_threshold(&shape, &p.q, &p.kv(), &maw, &t, out.as_mut(), &mut chosen)
+        .map_err(|e| e.to_string())?;
+    let want_sel = Selection::from_heads(
+        &(0..shape.kv_heads())
+            .map(|g| {
+                (0..tokens as u32)
+                    .filter(|&j| maw[g * tokens + j as usize] > t[g])
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>(),
+    );
+    if chosen != want_sel {
+        return Err(format!(
+            "threshold selection differs: {chosen:?} vs {want_sel:?}"
+        ));
+    }
+    let sets: Vec<Vec<usize>> = (0..shape.kv_heads())
+        .map(|g| want_sel.head(g).iter().map(|&j| j as usize).collect())
+        .collect();
+    check_rows(
+        layout,
+        out.out(),
+        out.lse(),
+        &p.reference(&sets),
+        p.vmax,
+        Tolerance::of(DType::BF16),
+    )
+}
+
+macro_rules! isa_suite {
+    ($name:ident, $kind:expr) => {
+        mod $name {
+            use super::*;
+
+            fn pars() -> Vec<Par> {
+                vec![Par::Seq, Par::Rayon(2), Par::Rayon(3)]
+            }
+
+            #[test]
+            fn isa_is_the_one_asked_for() {
+                if let Some(b) = backend($kind, Par::Seq) {
+                    assert_eq!(b.isa().kind(), $kind);
+                    eprintln!("ISA {} runs ({} f32 lanes)", b.isa(), b.isa().lanes());
+                }
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+                #[test]
+                fn sparse_matches_reference(
+                    shape in arb_shape(),
+                    tokens in prop::sample::select(vec![0usize, 1, 2, 15, 16, 17, 33, 100, 700]),
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    spread in arb_spread(),
+                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = sparse_case(&b, dtype, shape, tokens, spread, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn dense_equals_all_selected(
+                    shape in arb_shape(),
+                    tokens in 0usize..600,
+                    spread in arb_spread(),
+                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = dense_all_case::<f16>(&b, shape, tokens, spread, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+                #[test]
+                fn append_is_causal(shape in arb_shape(), tokens in 1usize..300, n_q in 1usize..6, par in 0usize..3, seed in any::<u64>()) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = append_case(&b, shape, tokens, n_q.min(tokens), seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn threshold_form_selects_while_scanning(shape in arb_shape(), tokens in 0usize..900, par in 0usize..3, seed in any::<u64>()) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = threshold_case(&b, shape, tokens, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn window_dense_backend(
+                    shape in arb_shape(),
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    capacity in 1usize..80,
+                    tokens in 0usize..300,
+                    chunk in 1usize..40,
+                    evict in 1usize..40,
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, Par::Rayon(2)) {
+                        let r = check_dense(&b, shape, dtype, capacity, tokens, chunk, evict, 10.0, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn merge_backend(shape in arb_shape(), tokens in 0usize..64, n_parts in 1usize..8, seed in any::<u64>()) {
+                    if let Some(b) = backend($kind, Par::Seq) {
+                        let r = check_merge_partition(&b, shape, tokens, 10.0, n_parts, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+            }
+
+            #[test]
+            fn edge_table() {
+                for par in pars() {
+                    let Some(b) = backend($kind, par) else { return };
+                    for (i, &(qh, kvh, d, n)) in EDGE_SHAPES.iter().enumerate() {
+                        let shape = AttnShape::new(qh, kvh, d).unwrap();
+                        for dtype in DType::ALL {
+                            for spread in [0.01, 1e4] {
+                                sparse_case(&b, dtype, shape, n, spread, i as u64).unwrap_or_else(|e| panic!("{shape:?} n={n} {dtype}: {e}"));
+                            }
+                        }
+                        dense_all_case::<f32>(&b, shape, n, 30.0, i as u64).unwrap();
+                        if n > 0 {
+                            append_case(&b, shape, n, n.min(4), i as u64).unwrap();
+                        }
+                    }
+                }
+            }
+
+            /// Long rows split across threads: chunk merges must be exact.
+            #[test]
+            fn long_context_split_across_threads() {
+                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
+                let shape = AttnShape::new(4, 1, 64).unwrap();
+                dense_all_case::<bf16>(&b, shape, 5000, 20.0, 99).unwrap();
+                sparse_case(&b, DType::F16, shape, 5000, 20.0, 98).unwrap();
+            }
+
+            /// The paged CPU store works as a source, exactly like contiguous slices.
+            #[test]
+            fn paged_store_source() {
+                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
+                let shape = AttnShape::new(8, 2, 96).unwrap();
+                let p = Problem::<f16>::random(shape, 333, 10.0, 5);
+                let mut store = KvStore::<f16>::new(2, 96, 64).unwrap();
+                store.push_head_major(333, &p.k, &p.v).unwrap();
+                let sel = selection(&mut Rng::new(3), 2, 333);
+                let layout = PartialLayout::decode(&shape);
+                let (mut a, mut c) = (Partial::poisoned(layout), Partial::poisoned(layout));
+                b.sparse_decode(&shape, &p.q, &store, &sel, a.as_mut(), None).unwrap();
+                b.sparse_decode(&shape, &p.q, &p.kv(), &sel, c.as_mut(), None).unwrap();
+                assert_eq!(a, c);
+                assert_eq!(store.tokens(), 333);
+            }
+        }
+    };
+}
+
+isa_suite!(scalar, IsaKind::Scalar);
+#[cfg(target_arch = "x86_64")]
+isa_suite!(v3, IsaKind::V3);
+#[cfg(target_arch = "x86_64")]
+isa_suite!(v4, IsaKind::V4);
+#[cfg(target_arch = "aarch64")]
+isa_suite!(neon, IsaKind::Neon);
+
+/// Under qemu the NEON path must be the one taken, with or without FEAT_FP16
+/// as the emulated CPU says (`HGCA_EXPECT_NEON_FP16=1|0`).
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_path_is_taken() {
+    let b = CpuBackend::new();
+    assert_eq!(b.isa().kind(), IsaKind::Neon, "detected {:?}", b.isa());
+    if let Ok(want) = std::env::var("HGCA_EXPECT_NEON_FP16") {
+        assert_eq!(hgca_cpu::isa::neon_has_fp16(), want == "1");
+    }
+    eprintln!(
+        "NEON path taken; f16 widening with fcvtl: {}",
+        hgca_cpu::isa::neon_has_fp16()
+    );
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let b = CpuBackend::new();
+    let shape = AttnShape::new(4, 2, 8).unwrap();
+    let p = Problem::<f32>::random(shape, 10, 1.0, 1);
+    let layout = PartialLayout::decode(&shape);
+    let mut out = Partial::poisoned(layout);
+    let sel = Selection::from_heads(&[vec![0u32], vec![10]]);
+    let e = b
+        .sparse_decode(&shape, &p.q, &p.kv(), &sel, out.as_mut(), None)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Index {
+                index: 10,
+                len: 10,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let sel3 = Selection::from_heads(&[vec![0u32], vec![1], vec![2]]);
+    assert!(matches!(
+        b.sparse_decode(&shape, &p.q, &p.kv(), &sel3, out.as_mut(), None),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    let ok = Selection::from_heads(&[vec![0u32], vec![1]]);
+    assert!(matches!(
+        b.sparse_decode(&shape, &p.q[1..], &p.kv(), &ok, out.as_mut(), None),
+        Err(Error::Length { .. })
+    ));
+    let mut w = vec![0.0; 3];
+    assert!(
+        b.sparse_decode(&shape, &p.q, &p.kv(), &ok, out.as_mut(), Some(&mut w))
+            .is_err()
+    );
+    let other = AttnShape::new(4, 1, 8).unwrap();
+    assert!(
+        b.sparse_decode(
+            &other,
+            &p.q,
+            &p.kv(),
+            &Selection::from_heads(&[vec![0u32]]),
+            out.as_mut(),
+            None
+        )
+        .is_err()
+    );
+    let mut wrong = Partial::poisoned(PartialLayout::append(&shape, 2));
+    assert!(
+        b.dense_decode(&shape, &p.q, &p.kv(), wrong.as_mut(), None)
+            .is_err()
+    );
+    let mut chosen = Selection::new();
+    let e = b
+        .sparse_decode_threshold(
+            &shape,
+            &p.q,
+            &p.kv(),
+            &[0.0; 20],
+            &[f32::NAN, 0.0],
+            out.as_mut(),
+            &mut chosen,
+        )
+        .unwrap_err();
+    assert!(matches!(e, Error::Param { .. }), "{e}");
+    assert!(
+        b.sparse_decode_threshold(
+            &shape,
+            &p.q,
+            &p.kv(),
+            &[0.0; 19],
+            &[0.0, 0.0],
+            out.as_mut(),
+            &mut chosen
+        )
+        .is_err()
+    );
+}
