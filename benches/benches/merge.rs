@@ -9,7 +9,10 @@ use std::hint::black_box;
 fn partials(layout: PartialLayout, n: usize) -> Vec<Partial> {
     (0..n)
         .map(|i| {
-            let lse = fill(layout.rows(), 100 + i as u64).iter().map(|x| 4.0 * x).collect();
+            let lse = fill(layout.rows(), 100 + i as u64)
+                .iter()
+                .map(|x| 4.0 * x)
+                .collect();
             Partial::from_vecs(layout, fill(layout.out_len(), i as u64), lse).unwrap()
         })
         .collect()

@@ -46,7 +46,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         (2 * copy_bytes) as f64 / t_memcpy / 1e9,
         (2 * copy_bytes) as f64 / t_kernel / 1e9
     );
-    writeln!(csv, "copy,0,{},{:.3e},{copy_gbs:.1},1.0", 2 * copy_bytes, t_memcpy.min(t_kernel))?;
+    writeln!(
+        csv,
+        "copy,0,{},{:.3e},{copy_gbs:.1},1.0",
+        2 * copy_bytes,
+        t_memcpy.min(t_kernel)
+    )?;
 
     let shape = AttnShape::new(32, 8, 128)?;
     let max_len = 256 * 1024;
@@ -84,7 +89,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             t * 1e6,
             100.0 * gbs / copy_gbs
         );
-        writeln!(csv, "decode_f16,{len},{bytes},{t:.3e},{gbs:.1},{:.3}", gbs / copy_gbs)?;
+        writeln!(
+            csv,
+            "decode_f16,{len},{bytes},{t:.3e},{gbs:.1},{:.3}",
+            gbs / copy_gbs
+        )?;
     }
 
     let (parts, rows, d) = (2usize, 4096 * 32, 128usize);
@@ -96,7 +105,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         t * 1e6,
         100.0 * gbs / copy_gbs
     );
-    writeln!(csv, "merge,{rows},{bytes},{t:.3e},{gbs:.1},{:.3}", gbs / copy_gbs)?;
+    writeln!(
+        csv,
+        "merge,{rows},{bytes},{t:.3e},{gbs:.1},{:.3}",
+        gbs / copy_gbs
+    )?;
 
     if let Some(out) = std::env::var_os("OUT") {
         let path = std::path::Path::new(&out).join("cuda_bench.csv");
