@@ -1,5 +1,12 @@
-//! Shared helpers of hgca's criterion benches.
+//! Shared helpers of hgca's criterion benches: deterministic data, the
+//! streaming-read bandwidth probe, and a report of bytes/s against it.
 #![deny(missing_docs)]
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use pulp::Simd;
 
 /// Deterministic pseudo-random f32 in `[-1, 1)` (no dependency, no hidden zeros).
 pub fn fill(n: usize, seed: u64) -> Vec<f32> {
@@ -12,4 +19,204 @@ pub fn fill(n: usize, seed: u64) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
+}
+
+/// Sums a slice with the best SIMD of the machine (the probe's kernel).
+fn simd_sum(x: &[f32]) -> f32 {
+    struct Sum<'a>(&'a [f32]);
+    impl pulp::WithSimd for Sum<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let (head, tail) = S::as_simd_f32s(self.0);
+            let mut acc = [s.splat_f32s(0.0); 8];
+            let mut chunks = head.chunks_exact(8);
+            for c in &mut chunks {
+                for i in 0..8 {
+                    acc[i] = s.add_f32s(acc[i], c[i]);
+                }
+            }
+            for (i, &v) in chunks.remainder().iter().enumerate() {
+                acc[i] = s.add_f32s(acc[i], v);
+            }
+            let mut t = acc[0];
+            for a in &acc[1..] {
+                t = s.add_f32s(t, *a);
+            }
+            s.reduce_sum_f32s(t) + tail.iter().sum::<f32>()
+        }
+    }
+    pulp::Arch::new().dispatch(Sum(x))
+}
+
+/// Streaming-read bandwidth in bytes/s over a buffer of `bytes`, on
+/// `threads` threads (each sums its own contiguous part), best of `reps`.
+pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
+    let buf = fill(bytes / 4, 77);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("probe threads");
+    let part = buf.len().div_ceil(threads);
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let s: f32 = pool.install(|| {
+            use rayon::prelude::*;
+            buf.par_chunks(part).map(simd_sum).sum()
+        });
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    bytes as f64 / best
+}
+
+/// Measured streaming-read bandwidths of this machine, taken in the bench run.
+#[derive(Debug, Clone, Copy)]
+pub struct Probe {
+    /// From DRAM (1 GiB buffer), 1 thread, bytes/s.
+    pub dram1: f64,
+    /// From DRAM, 2 threads.
+    pub dram2: f64,
+    /// From the last-level cache (buffer of a quarter of L3), 1 thread.
+    pub llc1: f64,
+    /// From the last-level cache, 2 threads.
+    pub llc2: f64,
+    /// Last-level cache size in bytes (from sysfs; 32 MiB if unknown).
+    pub llc_bytes: usize,
+}
+
+impl Probe {
+    /// Runs the probe (a few seconds).
+    pub fn measure() -> Self {
+        let llc_bytes = llc_size().unwrap_or(32 << 20);
+        let small = (llc_bytes / 4).max(1 << 20);
+        let p = Probe {
+            dram1: read_bandwidth(1 << 30, 1, 5),
+            dram2: read_bandwidth(1 << 30, 2, 5),
+            llc1: read_bandwidth(small, 1, 30),
+            llc2: read_bandwidth(small, 2, 30),
+            llc_bytes,
+        };
+        eprintln!(
+            "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s",
+            p.dram1 / 1e9,
+            p.dram2 / 1e9,
+            llc_bytes >> 20,
+            p.llc1 / 1e9,
+            p.llc2 / 1e9
+        );
+        p
+    }
+    /// The bandwidth a kernel with this working set and thread count should be compared with.
+    pub fn reference(&self, working_set: usize, threads: usize) -> (f64, &'static str) {
+        let in_cache = working_set * 2 < self.llc_bytes;
+        match (in_cache, threads > 1) {
+            (true, false) => (self.llc1, "LLC"),
+            (true, true) => (self.llc2, "LLC"),
+            (false, false) => (self.dram1, "DRAM"),
+            (false, true) => (self.dram2, "DRAM"),
+        }
+    }
+}
+
+fn llc_size() -> Option<usize> {
+    let mut best = None;
+    for i in 0..8 {
+        let p = format!("/sys/devices/system/cpu/cpu0/cache/index{i}/size");
+        if let Ok(s) = std::fs::read_to_string(p) {
+            let s = s.trim();
+            let n: usize = s.trim_end_matches(['K', 'M']).parse().ok()?;
+            let n = if s.ends_with('K') {
+                n << 10
+            } else if s.ends_with('M') {
+                n << 20
+            } else {
+                n
+            };
+            best = Some(best.map_or(n, |b: usize| b.max(n)));
+        }
+    }
+    best
+}
+
+/// One measured row of the report.
+#[derive(Debug, Clone)]
+pub struct Row {
+    /// Bytes a call moves (by the kernel's own definition).
+    pub bytes: u64,
+    /// Bytes the call's data occupies (decides DRAM vs cache).
+    pub working_set: usize,
+    /// Threads.
+    pub threads: usize,
+    /// Total time and iterations measured.
+    pub time: Duration,
+    /// Iterations.
+    pub iters: u64,
+}
+
+/// Collects criterion's own measurements (through `iter_custom`) for the report.
+#[derive(Debug, Default)]
+pub struct Report(Mutex<BTreeMap<String, Row>>);
+
+impl Report {
+    /// Times `iters` calls of `f` for criterion and records them under `id`.
+    pub fn time(
+        &self,
+        id: &str,
+        bytes: u64,
+        working_set: usize,
+        threads: usize,
+        iters: u64,
+        mut f: impl FnMut(),
+    ) -> Duration {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        let e = t.elapsed();
+        let mut m = self.0.lock().unwrap();
+        let row = m.entry(id.to_string()).or_insert(Row {
+            bytes,
+            working_set,
+            threads,
+            time: Duration::ZERO,
+            iters: 0,
+        });
+        row.time += e;
+        row.iters += iters;
+        e
+    }
+    /// Mean seconds per call of `id`.
+    pub fn mean(&self, id: &str) -> Option<f64> {
+        let m = self.0.lock().unwrap();
+        m.get(id).map(|r| r.time.as_secs_f64() / r.iters as f64)
+    }
+    /// Prints the table: id, time, GB/s, % of the probe, and the ratio to a peer.
+    pub fn print(&self, probe: &Probe, peer_of: impl Fn(&str) -> Option<String>) {
+        let m = self.0.lock().unwrap();
+        println!(
+            "\n{:<58} {:>10} {:>8} {:>12} {:>10}",
+            "bench", "time/call", "GB/s", "% of probe", "x peer"
+        );
+        for (id, r) in m.iter() {
+            let t = r.time.as_secs_f64() / r.iters as f64;
+            let gbs = r.bytes as f64 / t;
+            let (bw, kind) = probe.reference(r.working_set, r.threads);
+            let ratio = peer_of(id)
+                .and_then(|p| {
+                    m.get(&p)
+                        .map(|pr| pr.time.as_secs_f64() / pr.iters as f64 / t)
+                })
+                .map(|x| format!("{x:.1}"))
+                .unwrap_or_default();
+            println!(
+                "{id:<58} {:>8.1}us {:>8.1} {:>7.0}% {:<4} {ratio:>10}",
+                t * 1e6,
+                gbs / 1e9,
+                100.0 * gbs / bw,
+                kind
+            );
+        }
+    }
 }

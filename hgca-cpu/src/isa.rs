@@ -337,7 +337,7 @@ mod neon {
 
     /// Whether the CPU has FEAT_FP16 (then f16 widens with `fcvtl`; without
     /// it, with exact integer ops). Both paths are exact; tests run both.
-    pub(crate) fn has_fp16() -> bool {
+    pub fn has_fp16() -> bool {
         static FP16: OnceLock<bool> = OnceLock::new();
         *FP16.get_or_init(|| {
             std::env::var_os("HGCA_NEON_NO_FP16").is_none()

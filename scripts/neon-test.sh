@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Cross-builds hgca-cpu's tests for aarch64 and runs them under qemu, once
+# with an emulated CPU that has FEAT_FP16 (QEMU_CPU=max) and once without
+# (cortex-a72), so both NEON f16 paths run. The tests assert the NEON path
+# was taken. Installs its tools with apt (as root) when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v qemu-aarch64 >/dev/null 2>&1 || need+=(qemu-user)
+command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || need+=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross)
+[ -d /usr/lib/rustlib/aarch64-unknown-linux-gnu ] || need+=(rustc-web cargo-web libstd-rust-web-dev:arm64)
+if [ "${#need[@]}" -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    msg="neon-test: missing ${need[*]} and not root"
+    if [ -n "${HGCA_REQUIRE_NEON:-}" ]; then echo "$msg" >&2; exit 1; fi
+    echo "SKIP: $msg"; exit 0
+  fi
+  dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+export RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc CARGO_TARGET_DIR=target/aarch64
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64
+# Fewer proptest cases under emulation (about 30x slower than native).
+export PROPTEST_CASES=${PROPTEST_CASES:-24}
+export HGCA_REQUIRE_ISAS=neon
+/usr/bin/cargo --version
+for cpu in max cortex-a72; do
+  expect=1; [ "$cpu" = cortex-a72 ] && expect=0
+  echo "== NEON tests under qemu, QEMU_CPU=$cpu (FEAT_FP16 expected: $expect)"
+  log=target/aarch64/neon-$cpu.log
+  rc=0
+  QEMU_CPU=$cpu HGCA_EXPECT_NEON_FP16=$expect /usr/bin/cargo test -p hgca-cpu --target aarch64-unknown-linux-gnu -- --nocapture >"$log" 2>&1 || rc=$?
+  grep -E '^test result|NEON path|ISA .* runs|panicked|FAILED|^error' "$log" || true
+  if [ "$rc" -ne 0 ]; then echo "NEON tests failed under QEMU_CPU=$cpu (log: $log)"; tail -30 "$log"; exit 1; fi
+done
