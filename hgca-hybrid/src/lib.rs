@@ -1,0 +1,38 @@
+//! # hgca-hybrid: the hybrid attention engine
+//!
+//! A per-layer attention whose KV cache is split between a dense window
+//! (GPU, or the CPU standing in) and a CPU store attended sparsely, merged
+//! exactly by LSE. [`SequenceAttention`] is the interface a model uses;
+//! [`FullAttention`] is the exact baseline behind the same interface.
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![forbid(unsafe_code)]
+
+mod full;
+
+pub use full::FullAttention;
+
+use hgca_kernels::Result;
+
+/// Causal self-attention of one model layer over a growing sequence.
+pub trait SequenceAttention {
+    /// Appends `n` tokens (K and V token-major `[n, kv_heads, d]`) and writes
+    /// into `out` (`[n, q_heads, d]`) the attention of their queries
+    /// (`q`: `[n, q_heads, d]`) over every token so far, causally: query `i`
+    /// sees the tokens before the chunk and chunk tokens `0..=i`.
+    /// `n = 1` is a decode step, larger `n` a prompt chunk.
+    ///
+    /// # Errors
+    /// Typed errors for lengths that do not fit the layer's shape; the cache
+    /// is unchanged when an error is returned.
+    fn forward(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, out: &mut [f32])
+    -> Result<()>;
+
+    /// Tokens held so far.
+    fn len(&self) -> usize;
+
+    /// True before the first token.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
