@@ -1,0 +1,79 @@
+//! The error type of hgca-llm.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// An error of candle (GGUF parsing, tensor ops, quantised matmul).
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// An error of the attention layer (hgca).
+    #[error("attention: {0}")]
+    Attention(#[from] hgca_kernels::Error),
+    /// A file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The tokenizer could not be built, or failed to encode/decode.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A GGUF metadata entry is missing or has the wrong type or value.
+    #[error("gguf metadata `{key}`: {msg}")]
+    Metadata {
+        /// The metadata key.
+        key: String,
+        /// What is wrong.
+        msg: String,
+    },
+    /// A GGUF tensor is missing or has an unexpected shape.
+    #[error("gguf tensor `{name}`: expected {expected}, found {found}")]
+    Tensor {
+        /// The tensor name.
+        name: String,
+        /// What was expected (shape), in words.
+        expected: String,
+        /// What was found.
+        found: String,
+    },
+    /// A token id is not in the vocabulary.
+    #[error("token id {id} out of range for a vocabulary of {vocab}")]
+    TokenId {
+        /// The id found.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A parameter or input is invalid.
+    #[error("{what}: {msg}")]
+    Invalid {
+        /// Which parameter.
+        what: &'static str,
+        /// What is wrong.
+        msg: String,
+    },
+}
+
+impl Error {
+    pub(crate) fn invalid(what: &'static str, msg: impl Into<String>) -> Self {
+        Self::Invalid {
+            what,
+            msg: msg.into(),
+        }
+    }
+
+    pub(crate) fn meta(key: &str, msg: impl Into<String>) -> Self {
+        Self::Metadata {
+            key: key.to_owned(),
+            msg: msg.into(),
+        }
+    }
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,43 @@
+//! # hgca-llm: a real model end to end through hgca
+//!
+//! Loads a Llama-architecture GGUF (e.g. SmolLM2-135M) with `candle-core`,
+//! rebuilds its byte-level BPE tokenizer with `tokenizers`, and runs the
+//! forward pass on the CPU with one [`hgca_hybrid::SequenceAttention`] per
+//! layer: exact full attention ([`hgca_hybrid::FullAttention`]) or hgca's
+//! hybrid layer, chosen by a per-layer factory. [`perplexity`] measures
+//! quality over a text, [`Llama::forward`] prefills and decodes.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use hgca_llm::{GgufFile, GgufTokenizer, Llama, LlamaWeights, Logits, WeightFormat};
+//! let mut f = GgufFile::open("models/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+//! let tok = GgufTokenizer::from_gguf(&f)?;
+//! let weights = Arc::new(LlamaWeights::load(&mut f, WeightFormat::Quantized)?);
+//! let mut llm = Llama::with_full_attention::<f32>(weights)?;
+//! let ids = tok.encode("The capital of France is", true)?;
+//! let logits = llm.forward(&ids, Logits::Last)?;
+//! let next = hgca_llm::argmax(&logits).unwrap_or(0) as u32;
+//! println!("{}", tok.decode(&[next])?);
+//! # Ok::<(), hgca_llm::Error>(())
+//! ```
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![forbid(unsafe_code)]
+
+mod error;
+pub mod gguf;
+mod model;
+mod ppl;
+pub mod synth;
+mod tokenizer;
+
+pub use error::{Error, Result};
+pub use gguf::{GgufFile, LlamaConfig};
+pub use model::{BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax, log_prob};
+pub use ppl::{PplOptions, PplReport, perplexity};
+pub use tokenizer::GgufTokenizer;
+
+/// Where `scripts/fetch-model.sh` puts the model, relative to the repository root.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// Where `scripts/fetch-model.sh` puts Austen's *Persuasion*.
+pub const DEFAULT_TEXT: &str = "data/persuasion.txt";

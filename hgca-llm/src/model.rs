@@ -1,0 +1,435 @@
+//! The Llama forward pass. Projections and the FFN run through candle
+//! (quantised or f32 matmuls on the CPU); attention is one
+//! [`SequenceAttention`] per layer, supplied by the caller.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::{Device, Module, Tensor};
+use hgca_hybrid::{FullAttention, SequenceAttention};
+use hgca_kernels::{AttnShape, KvElem};
+
+use crate::gguf::{GgufFile, LlamaConfig};
+use crate::{Error, Result};
+
+/// How the projection weights are held and multiplied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightFormat {
+    /// As stored in the GGUF (e.g. Q4_1), multiplied by candle's quantised
+    /// kernels (activations quantised to 8 bits per block, like llama.cpp).
+    #[default]
+    Quantized,
+    /// Dequantised to f32 at load time, multiplied by candle's f32 GEMM:
+    /// more memory (4 bytes per weight) and exact activations.
+    F32,
+}
+
+/// One linear layer `y = x W^T`, `W: [out, in]`.
+#[derive(Debug)]
+struct Linear {
+    w: LinearW,
+    in_dim: usize,
+    out_dim: usize,
+}
+
+#[derive(Debug)]
+enum LinearW {
+    Quant(QMatMul),
+    Dense(Tensor),
+}
+
+impl Linear {
+    /// Stacks `parts` (each `[out_i, in]`) along the output dimension.
+    fn stacked(parts: Vec<QTensor>, format: WeightFormat) -> Result<Self> {
+        let in_dim = parts[0].shape().dims()[1];
+        let out_dim = parts.iter().map(|p| p.shape().dims()[0]).sum();
+        let dtype = parts[0].dtype();
+        let same = parts.iter().all(|p| p.dtype() == dtype);
+        let w = match format {
+            WeightFormat::Quantized if same => {
+                let qt = if parts.len() == 1 {
+                    parts.into_iter().next().ok_or_else(|| Error::invalid("linear", "no parts"))?
+                } else {
+                    // Rows of blocks are contiguous: stacking rows is concatenating bytes.
+                    let mut bytes = Vec::new();
+                    for p in &parts {
+                        bytes.extend_from_slice(&p.data()?);
+                    }
+                    let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
+                    QTensor::new(storage, (out_dim, in_dim))?
+                };
+                LinearW::Quant(QMatMul::from_qtensor(qt)?)
+            }
+            _ => {
+                let ts = parts
+                    .iter()
+                    .map(|p| p.dequantize(&Device::Cpu))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let w = Tensor::cat(&ts, 0)?.contiguous()?;
+                if format == WeightFormat::Quantized {
+                    LinearW::Quant(QMatMul::Tensor(w))
+                } else {
+                    LinearW::Dense(w)
+                }
+            }
+        };
+        Ok(Self {
+            w,
+            in_dim,
+            out_dim,
+        })
+    }
+
+    /// `x: [n, in]` row-major to `[n, out]`.
+    fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        debug_assert_eq!(x.len(), n * self.in_dim);
+        let t = Tensor::from_slice(x, (n, self.in_dim), &Device::Cpu)?;
+        let y = match &self.w {
+            LinearW::Quant(q) => q.forward(&t)?,
+            LinearW::Dense(w) => t.matmul(&w.t()?)?,
+        };
+        let y = y.flatten_all()?.to_vec1::<f32>()?;
+        debug_assert_eq!(y.len(), n * self.out_dim);
+        Ok(y)
+    }
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    qkv: Linear,
+    wo: Linear,
+    ffn_norm: Vec<f32>,
+    gate_up: Linear,
+    down: Linear,
+}
+
+/// The weights of a Llama model, loaded once and shared (`Arc`) by any
+/// number of [`Llama`] sessions.
+#[derive(Debug)]
+pub struct LlamaWeights {
+    config: LlamaConfig,
+    format: WeightFormat,
+    embed: Vec<f32>,
+    out_norm: Vec<f32>,
+    lm_head: Linear,
+    layers: Vec<Layer>,
+    inv_freq: Vec<f64>,
+}
+
+fn vector(f: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
+    let t = f.tensor(name, &[len])?;
+    Ok(t.dequantize(&Device::Cpu)?.to_vec1::<f32>()?)
+}
+
+impl LlamaWeights {
+    /// Loads every tensor of a Llama GGUF (`token_embd`, `output_norm`,
+    /// optional `output`, and `blk.{i}.{attn_norm, attn_q, attn_k, attn_v,
+    /// attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}`). Q/K rows are
+    /// taken as stored, i.e. in GGUF's RoPE layout (adjacent pairs).
+    ///
+    /// # Errors
+    /// [`Error::Metadata`]/[`Error::Tensor`] for missing or misshaped
+    /// entries, [`Error::Candle`] for read or dequantisation errors.
+    pub fn load(f: &mut GgufFile, format: WeightFormat) -> Result<Self> {
+        let c = LlamaConfig::from_gguf(f)?;
+        let (d, kv, ff) = (c.dim, c.kv_dim(), c.ffn_dim);
+        let embd_q = f.tensor("token_embd.weight", &[c.vocab_size, d])?;
+        let embed = embd_q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let head_q = if f.has_tensor("output.weight") {
+            f.tensor("output.weight", &[c.vocab_size, d])?
+        } else {
+            embd_q
+        };
+        let lm_head = Linear::stacked(vec![head_q], format)?;
+        let out_norm = vector(f, "output_norm.weight", d)?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for i in 0..c.n_layers {
+            let p = |s: &str| format!("blk.{i}.{s}.weight");
+            let q = f.tensor(&p("attn_q"), &[d, d])?;
+            let k = f.tensor(&p("attn_k"), &[kv, d])?;
+            let v = f.tensor(&p("attn_v"), &[kv, d])?;
+            let o = f.tensor(&p("attn_output"), &[d, d])?;
+            let g = f.tensor(&p("ffn_gate"), &[ff, d])?;
+            let u = f.tensor(&p("ffn_up"), &[ff, d])?;
+            let dn = f.tensor(&p("ffn_down"), &[d, ff])?;
+            layers.push(Layer {
+                attn_norm: vector(f, &p("attn_norm"), d)?,
+                ffn_norm: vector(f, &p("ffn_norm"), d)?,
+                qkv: Linear::stacked(vec![q, k, v], format)?,
+                wo: Linear::stacked(vec![o], format)?,
+                gate_up: Linear::stacked(vec![g, u], format)?,
+                down: Linear::stacked(vec![dn], format)?,
+            });
+        }
+        let half = c.head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| (c.rope_theta as f64).powf(-2.0 * i as f64 / c.head_dim as f64))
+            .collect();
+        Ok(Self {
+            config: c,
+            format,
+            embed,
+            out_norm,
+            lm_head,
+            layers,
+            inv_freq,
+        })
+    }
+
+    /// Opens `path` and loads it with [`LlamaWeights::load`].
+    ///
+    /// # Errors
+    /// As [`GgufFile::open`] and [`LlamaWeights::load`].
+    pub fn from_path(path: impl AsRef<std::path::Path>, format: WeightFormat) -> Result<Self> {
+        let mut f = GgufFile::open(path)?;
+        Self::load(&mut f, format)
+    }
+
+    /// The model's hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The weight format chosen at load.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// The attention shape of every layer (`n_heads`, `n_kv_heads`,
+    /// `head_dim`, scale `1/sqrt(head_dim)`).
+    ///
+    /// # Errors
+    /// Never for a config that passed validation.
+    pub fn attn_shape(&self) -> Result<AttnShape> {
+        let c = &self.config;
+        Ok(AttnShape::new(c.n_heads, c.n_kv_heads, c.head_dim)?)
+    }
+}
+
+/// Which logits [`Llama::forward`] returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (prefill of a prompt whose predictions are not needed).
+    None,
+    /// Those of the last token only: `[vocab]`.
+    Last,
+    /// Those of every token: `[n, vocab]`.
+    All,
+}
+
+/// A per-layer attention, as [`Llama`] holds it.
+pub type BoxedAttention = Box<dyn SequenceAttention + Send>;
+
+/// One running sequence of a Llama model: shared weights, one attention
+/// layer (with its KV cache) per model layer, and the position.
+pub struct Llama {
+    weights: Arc<LlamaWeights>,
+    attn: Vec<BoxedAttention>,
+    pos: usize,
+    poisoned: bool,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama")
+            .field("config", &self.weights.config)
+            .field("pos", &self.pos)
+            .field("poisoned", &self.poisoned)
+            .finish_non_exhaustive()
+    }
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / d as f32;
+        let r = 1.0 / (ss + eps).sqrt();
+        for ((o, &v), &g) in or.iter_mut().zip(xr).zip(w) {
+            *o = v * r * g;
+        }
+    }
+}
+
+/// Rotates adjacent pairs `(2i, 2i+1)` of every head of every row.
+fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    let half = head_dim / 2;
+    for (t, r) in x.chunks_exact_mut(row).enumerate() {
+        let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        for h in r.chunks_exact_mut(head_dim) {
+            for (i, p) in h.chunks_exact_mut(2).enumerate() {
+                let (a, b) = (p[0], p[1]);
+                p[0] = a * c[i] - b * s[i];
+                p[1] = a * s[i] + b * c[i];
+            }
+        }
+    }
+}
+
+impl Llama {
+    /// A new empty sequence; `attention(layer, shape)` makes the attention
+    /// of each layer.
+    ///
+    /// # Errors
+    /// What `attention` returns.
+    pub fn new<F>(weights: Arc<LlamaWeights>, mut attention: F) -> Result<Self>
+    where
+        F: FnMut(usize, AttnShape) -> Result<BoxedAttention>,
+    {
+        let shape = weights.attn_shape()?;
+        let attn = (0..weights.config.n_layers)
+            .map(|l| attention(l, shape))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            weights,
+            attn,
+            pos: 0,
+            poisoned: false,
+        })
+    }
+
+    /// A new sequence with exact full attention (hgca's CPU baseline), KV
+    /// stored as `T` (`f32`, `f16` or `bf16`).
+    ///
+    /// # Errors
+    /// As [`FullAttention::new`].
+    pub fn with_full_attention<T: KvElem + Send + 'static>(weights: Arc<LlamaWeights>) -> Result<Self> {
+        Self::new(weights, |_, shape| {
+            Ok(Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?) as BoxedAttention)
+        })
+    }
+
+    /// Tokens processed so far.
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// The shared weights.
+    pub fn weights(&self) -> &Arc<LlamaWeights> {
+        &self.weights
+    }
+
+    /// The attention layers (e.g. to read statistics).
+    pub fn attention_layers(&self) -> &[BoxedAttention] {
+        &self.attn
+    }
+
+    /// Appends `tokens` (a prompt chunk, or one token to decode) and returns
+    /// the requested logits (row-major `[n, vocab]` for [`Logits::All`]).
+    /// An empty `tokens` returns an empty vector and changes nothing.
+    ///
+    /// # Errors
+    /// [`Error::TokenId`] for an id outside the vocabulary (nothing changed);
+    /// attention or candle errors otherwise. After such an error the
+    /// sequence is inconsistent (some layers appended, some not) and every
+    /// later call returns [`Error::Invalid`]: start a new sequence.
+    pub fn forward(&mut self, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        if self.poisoned {
+            return Err(Error::invalid(
+                "forward",
+                "an earlier forward failed mid-way; start a new sequence",
+            ));
+        }
+        let w = &*self.weights;
+        let c = &w.config;
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(Error::TokenId {
+                id,
+                vocab: c.vocab_size,
+            });
+        }
+        let n = tokens.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.poisoned = true;
+        let out = self.forward_inner(tokens, logits)?;
+        self.poisoned = false;
+        self.pos += n;
+        Ok(out)
+    }
+
+    fn forward_inner(&mut self, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
+        let w = &*self.weights;
+        let c = &w.config;
+        let (n, d, hd, kvd) = (tokens.len(), c.dim, c.head_dim, c.kv_dim());
+        let half = hd / 2;
+        let mut x = Vec::with_capacity(n * d);
+        for &t in tokens {
+            let t = t as usize;
+            x.extend_from_slice(&w.embed[t * d..(t + 1) * d]);
+        }
+        let mut cos = Vec::with_capacity(n * half);
+        let mut sin = Vec::with_capacity(n * half);
+        for p in self.pos..self.pos + n {
+            for &f in &w.inv_freq {
+                let (s, co) = (p as f64 * f).sin_cos();
+                cos.push(co as f32);
+                sin.push(s as f32);
+            }
+        }
+        let mut h = vec![0.0f32; n * d];
+        let mut q = vec![0.0f32; n * d];
+        let mut k = vec![0.0f32; n * kvd];
+        let mut v = vec![0.0f32; n * kvd];
+        let mut att = vec![0.0f32; n * d];
+        let mut act = vec![0.0f32; n * c.ffn_dim];
+        for (layer, attn) in w.layers.iter().zip(self.attn.iter_mut()) {
+            rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            let qkv = layer.qkv.forward(&h, n)?;
+            let row = d + 2 * kvd;
+            for t in 0..n {
+                let r = &qkv[t * row..(t + 1) * row];
+                q[t * d..(t + 1) * d].copy_from_slice(&r[..d]);
+                k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d..d + kvd]);
+                v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d + kvd..]);
+            }
+            rope(&mut q, d, hd, &cos, &sin);
+            rope(&mut k, kvd, hd, &cos, &sin);
+            attn.forward(&q, &k, &v, n, &mut att)?;
+            let o = layer.wo.forward(&att, n)?;
+            for (a, b) in x.iter_mut().zip(&o) {
+                *a += b;
+            }
+            rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            let gu = layer.gate_up.forward(&h, n)?;
+            let ff = c.ffn_dim;
+            for t in 0..n {
+                let (g, u) = gu[t * 2 * ff..(t + 1) * 2 * ff].split_at(ff);
+                for ((a, &g), &u) in act[t * ff..(t + 1) * ff].iter_mut().zip(g).zip(u) {
+                    *a = g / (1.0 + (-g).exp()) * u;
+                }
+            }
+            let dn = layer.down.forward(&act, n)?;
+            for (a, b) in x.iter_mut().zip(&dn) {
+                *a += b;
+            }
+        }
+        let (rows, m) = match logits {
+            Logits::None => return Ok(Vec::new()),
+            Logits::Last => (&x[(n - 1) * d..], 1),
+            Logits::All => (&x[..], n),
+        };
+        let mut hn = vec![0.0f32; m * d];
+        rms_norm(rows, &w.out_norm, c.rms_eps, &mut hn);
+        w.lm_head.forward(&hn, m)
+    }
+}
+
+/// Numerically stable `ln softmax(logits)[target]`.
+pub fn log_prob(logits: &[f32], target: usize) -> Option<f64> {
+    let t = *logits.get(target)? as f64;
+    let m = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let s: f64 = logits.iter().map(|&l| (l as f64 - m).exp()).sum();
+    Some(t - m - s.ln())
+}
+
+/// Index of the largest logit (greedy decoding); `None` when empty.
+pub fn argmax(logits: &[f32]) -> Option<usize> {
+    logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i)
+}
