@@ -19,8 +19,9 @@ use pulp::Simd;
 
 use crate::isa::{Kern, SimdElem, exp_neg, load, store};
 
+const PREFETCH: bool = true;
 /// Tokens per block.
-pub(crate) const BLOCK: usize = 16;
+pub(crate) const BLOCK: usize = 32;
 /// Query heads one kernel call serves (larger groups are split).
 pub(crate) const MAX_HEADS: usize = 8;
 
@@ -148,12 +149,18 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     let mut sc = [[0.0f32; BLOCK]; MAX_HEADS];
     while n > 0 {
         let n_next = tokens.next_block(&mut next);
-        for &j in &next[..n_next] {
-            prefetch_row(s, kv.k_row(g, j));
-            prefetch_row(s, kv.v_row(g, j));
+        if PREFETCH {
+            for &j in &next[..n_next] {
+                prefetch_row(s, kv.k_row(g, j));
+                prefetch_row(s, kv.v_row(g, j));
+            }
         }
-        let krows: [&[T]; BLOCK] = core::array::from_fn(|i| kv.k_row(g, cur[i.min(n - 1)]));
-        let vrows: [&[T]; BLOCK] = core::array::from_fn(|i| kv.v_row(g, cur[i.min(n - 1)]));
+        let mut krows: [&[T]; BLOCK] = [kv.k_row(g, cur[0]); BLOCK];
+        let mut vrows: [&[T]; BLOCK] = [kv.v_row(g, cur[0]); BLOCK];
+        for i in 1..n {
+            krows[i] = kv.k_row(g, cur[i]);
+            vrows[i] = kv.v_row(g, cur[i]);
+        }
         let mut h0 = 0;
         while h0 < heads {
             let q = &q[h0 * d..];
@@ -221,6 +228,7 @@ fn scale_row<S: Simd>(s: S, o: &mut [f32], alpha: f32) {
 }
 
 /// Scores of `n` tokens for `H` heads: `sc[h][j] = dot(q_h, k_j)`.
+/// Two tokens at a time: 2H independent FMA chains for the out-of-order core.
 #[inline(always)]
 fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
@@ -232,29 +240,45 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
 ) {
     let lanes = S::F32_LANES;
     let full = d - d % lanes;
-    let qh: [&[f32]; H] = core::array::from_fn(|h| &q[h * d..(h + 1) * d]);
-    for (j, k) in krows.iter().enumerate().take(n) {
-        let k = &k[..d];
-        let mut acc = [s.splat_f32s(0.0); H];
+    let mut qh: [&[f32]; H] = [&q[..d]; H];
+    for (h, r) in qh.iter_mut().enumerate().skip(1) {
+        *r = &q[h * d..(h + 1) * d];
+    }
+    let mut j = 0;
+    while j < n {
+        let two = j + 1 < n;
+        let k0 = &krows[j][..d];
+        let k1 = &krows[if two { j + 1 } else { j }][..d];
+        let mut a0 = [s.splat_f32s(0.0); H];
+        let mut a1 = [s.splat_f32s(0.0); H];
         let mut c = 0;
         while c < full {
-            let kv = T::load(s, &k[c..]);
+            let x0 = T::load(s, &k0[c..]);
+            let x1 = T::load(s, &k1[c..]);
             for h in 0..H {
-                acc[h] = s.mul_add_f32s(kv, load(s, &qh[h][c..]), acc[h]);
+                let qv = load(s, &qh[h][c..]);
+                a0[h] = s.mul_add_f32s(x0, qv, a0[h]);
+                a1[h] = s.mul_add_f32s(x1, qv, a1[h]);
             }
             c += lanes;
         }
         for h in 0..H {
-            let mut x = s.reduce_sum_f32s(acc[h]);
+            let (mut x, mut y) = (s.reduce_sum_f32s(a0[h]), s.reduce_sum_f32s(a1[h]));
             for t in full..d {
-                x += k[t].to_f32() * qh[h][t];
+                x += k0[t].to_f32() * qh[h][t];
+                y += k1[t].to_f32() * qh[h][t];
             }
             sc[h][j] = x;
+            if two {
+                sc[h][j + 1] = y;
+            }
         }
+        j += 2;
     }
 }
 
-/// `o_h += sum_j p[h][j] * v_j` for `H` heads.
+/// `o_h += sum_j p[h][j] * v_j` for `H` heads, two vectors of `d` per pass
+/// (2H independent FMA chains).
 #[inline(always)]
 fn values_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
@@ -266,9 +290,35 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
 ) {
     let lanes = S::F32_LANES;
     let full = d - d % lanes;
+    let full2 = d - d % (2 * lanes);
     let mut c = 0;
+    while c < full2 {
+        let mut a0 = [s.splat_f32s(0.0); H];
+        let mut a1 = [s.splat_f32s(0.0); H];
+        for h in 0..H {
+            a0[h] = load(s, &o[h * d + c..]);
+            a1[h] = load(s, &o[h * d + c + lanes..]);
+        }
+        for (j, v) in vrows.iter().enumerate().take(n) {
+            let v = &v[c..c + 2 * lanes];
+            let (v0, v1) = (T::load(s, v), T::load(s, &v[lanes..]));
+            for h in 0..H {
+                let pj = s.splat_f32s(p[h][j]);
+                a0[h] = s.mul_add_f32s(pj, v0, a0[h]);
+                a1[h] = s.mul_add_f32s(pj, v1, a1[h]);
+            }
+        }
+        for h in 0..H {
+            store(s, &mut o[h * d + c..], a0[h]);
+            store(s, &mut o[h * d + c + lanes..], a1[h]);
+        }
+        c += 2 * lanes;
+    }
     while c < full {
-        let mut acc: [S::f32s; H] = core::array::from_fn(|h| load(s, &o[h * d + c..]));
+        let mut acc = [s.splat_f32s(0.0); H];
+        for h in 0..H {
+            acc[h] = load(s, &o[h * d + c..]);
+        }
         for (j, v) in vrows.iter().enumerate().take(n) {
             let vv = T::load(s, &v[c..]);
             for h in 0..H {

@@ -1,0 +1,62 @@
+//! Developer tool: ns per token of the CPU decode kernel at several cache
+//! levels, one thread, to tell compute limits from memory limits.
+//!
+//! `cargo run --release -p hgca-cpu --example kernel_speed [isa]`
+
+use std::time::Instant;
+
+use hgca_cpu::{CpuBackend, IsaKind, Par};
+use hgca_kernels::{AttnShape, KvSlices, Partial, PartialLayout, Selection, SparseAttention, f16};
+
+fn main() -> Result<(), hgca_kernels::Error> {
+    let kind = match std::env::args().nth(1).as_deref() {
+        Some("v3") => IsaKind::V3,
+        Some("scalar") => IsaKind::Scalar,
+        _ => hgca_cpu::Isa::detect().kind(),
+    };
+    let b = CpuBackend::new().with_isa(kind)?.with_par(Par::Seq)?;
+    let shape = AttnShape::new(32, 8, 128)?;
+    let max: usize = std::env::args()
+        .nth(2)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(usize::MAX);
+    for tokens in [256usize, 2048, 16384, 131072]
+        .into_iter()
+        .filter(|&t| t <= max)
+    {
+        let n = 8 * tokens * 128;
+        let k: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5))
+            .collect();
+        let v = k.clone();
+        let kv = KvSlices::new(8, 128, tokens, &k, &v)?;
+        let q: Vec<f32> = (0..32 * 128).map(|i| (i % 17) as f32 / 17.0).collect();
+        let mut out = Partial::empty(PartialLayout::decode(&shape));
+        let sel = Selection::all(8, tokens);
+        let reps = if max == usize::MAX {
+            (1 << 24) / (8 * tokens)
+        } else {
+            10
+        };
+        for (name, sparse) in [("dense", false), ("sparse-all", true)] {
+            let t = Instant::now();
+            for _ in 0..reps.max(3) {
+                if sparse {
+                    b.sparse_decode(&shape, &q, &kv, &sel, out.as_mut(), None)?;
+                } else {
+                    b.dense_decode(&shape, &q, &kv, out.as_mut(), None)?;
+                }
+            }
+            let per = t.elapsed().as_secs_f64() / reps.max(3) as f64;
+            let rows = (8 * tokens) as f64;
+            println!(
+                "{} {name:>10} n={tokens:>6} KV {:>6} KiB: {:>6.1} ns per KV row (4 heads), {:>5.1} GB/s",
+                b.isa(),
+                n * 4 / 1024,
+                per / rows * 1e9,
+                rows * 512.0 / per / 1e9
+            );
+        }
+    }
+    Ok(())
+}
