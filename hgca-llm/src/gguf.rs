@@ -4,9 +4,9 @@ use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
+use candle_core::Device;
 use candle_core::quantized::QTensor;
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::Device;
 
 use crate::{Error, Result};
 
@@ -75,7 +75,12 @@ impl GgufFile {
             Value::I32(x) => x.into(),
             Value::U64(x) => x.into(),
             Value::I64(x) => x.into(),
-            _ => return Err(Error::meta(key, format!("expected an integer, found {v:?}"))),
+            _ => {
+                return Err(Error::meta(
+                    key,
+                    format!("expected an integer, found {v:?}"),
+                ));
+            }
         };
         usize::try_from(x).map_err(|_| Error::meta(key, format!("{x} is not a valid count")))
     }

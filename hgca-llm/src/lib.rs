@@ -33,7 +33,9 @@ mod tokenizer;
 
 pub use error::{Error, Result};
 pub use gguf::{GgufFile, LlamaConfig};
-pub use model::{BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax, log_prob};
+pub use model::{
+    AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax, log_prob,
+};
 pub use ppl::{PplOptions, PplReport, perplexity};
 pub use tokenizer::GgufTokenizer;
 

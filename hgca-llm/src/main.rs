@@ -21,8 +21,14 @@ struct Cli {
     #[arg(long, global = true, default_value = hgca_llm::DEFAULT_MODEL)]
     model: PathBuf,
     /// Weight format of the projections.
-    #[arg(long, global = true, value_enum, default_value_t = Weights::Q)]
+    #[arg(long, global = true, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
+    /// Compute threads of candle's matmuls and hgca's attention (0: all
+    /// cores). Default 1: candle's spinning barrier pool collapses when
+    /// another process holds a core (decode 30 -> 8 tok/s measured on a
+    /// busy 2-core machine).
+    #[arg(long, global = true, default_value_t = 1)]
+    threads: usize,
     /// Storage type of the KV cache.
     #[arg(long, global = true, value_enum, default_value_t = Kv::F32)]
     kv: Kv,
@@ -102,6 +108,10 @@ enum Weights {
     Q,
     /// Dequantised to f32 at load.
     F32,
+    /// Re-quantised to Q8_0 at load (AVX2 kernels).
+    Q8,
+    /// Q8_0 copy for decoding, f32 copy for prefill chunks.
+    Auto,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,9 +129,13 @@ enum AttnKind {
     Hybrid,
 }
 
+fn cpu_backend() -> Result<hgca_cpu::CpuBackend> {
+    Ok(hgca_cpu::CpuBackend::new())
+}
+
 fn full_factory(kv: Kv) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> {
     move |_, shape| {
-        let cpu = hgca_cpu::CpuBackend::new();
+        let cpu = cpu_backend()?;
         Ok(match kv {
             Kv::F32 => Box::new(FullAttention::<f32>::new(shape, cpu)?) as BoxedAttention,
             Kv::F16 => Box::new(FullAttention::<f16>::new(shape, cpu)?),
@@ -163,6 +177,8 @@ fn load(cli: &Cli) -> Result<(GgufTokenizer, Arc<LlamaWeights>)> {
     let format = match cli.weights {
         Weights::Q => WeightFormat::Quantized,
         Weights::F32 => WeightFormat::F32,
+        Weights::Q8 => WeightFormat::Q8,
+        Weights::Auto => WeightFormat::Auto,
     };
     let w = LlamaWeights::load(&mut f, format)?;
     let c = w.config();
@@ -298,7 +314,13 @@ fn cmd_ppl(
                 AttnKind::Full => ("1.00".to_string(), "-".to_string()),
                 AttnKind::Hybrid => (format!("{ratio:.2}"), format!("{beta}")),
             };
-            rows.push((format!("{kind:?}").to_lowercase(), r, b, report.ppl, report.tokens_per_sec()));
+            rows.push((
+                format!("{kind:?}").to_lowercase(),
+                r,
+                b,
+                report.ppl,
+                report.tokens_per_sec(),
+            ));
         }
     }
     println!(
@@ -418,12 +440,21 @@ fn cmd_generate(
     let t1 = Instant::now();
     for _ in 0..max_tokens {
         let next = sample(&logits, temperature, &mut state);
-        if Some(next) == tok.eos() || (chat && tok.id_to_token(next).as_deref() == Some("<|im_end|>")) {
+        if Some(next) == tok.eos()
+            || (chat && tok.id_to_token(next).as_deref() == Some("<|im_end|>"))
+        {
             break;
         }
         out.push(next);
         let shown = tok.decode(&out)?;
-        let tail: String = shown.chars().rev().take(40).collect::<Vec<_>>().into_iter().rev().collect();
+        let tail: String = shown
+            .chars()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect();
         pb.set_message(tail.replace('\n', " "));
         pb.inc(1);
         logits = llm.forward(&[next], Logits::Last)?;
@@ -443,6 +474,16 @@ fn cmd_generate(
 
 fn main() {
     let cli = Cli::parse();
+    if cli.threads > 0 {
+        let n = cli.threads.to_string();
+        // SAFETY: no other thread exists yet (candle and rayon start their
+        // pools lazily, on first use below), so nothing reads the environment
+        // concurrently.
+        unsafe {
+            std::env::set_var("CANDLE_NUM_THREADS", &n);
+            std::env::set_var("RAYON_NUM_THREADS", &n);
+        }
+    }
     let r = match &cli.cmd {
         Cmd::Ppl {
             text,
@@ -453,7 +494,17 @@ fn main() {
             attn,
             window_ratio,
             beta,
-        } => cmd_ppl(&cli, text, from, *tokens, *context, *chunk, attn, window_ratio, beta),
+        } => cmd_ppl(
+            &cli,
+            text,
+            from,
+            *tokens,
+            *context,
+            *chunk,
+            attn,
+            window_ratio,
+            beta,
+        ),
         Cmd::Speed {
             text,
             context,

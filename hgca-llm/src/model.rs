@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use hgca_hybrid::{FullAttention, SequenceAttention};
 use hgca_kernels::{AttnShape, KvElem};
@@ -23,7 +23,17 @@ pub enum WeightFormat {
     /// Dequantised to f32 at load time, multiplied by candle's f32 GEMM:
     /// more memory (4 bytes per weight) and exact activations.
     F32,
+    /// Dequantised and re-quantised to Q8_0 at load (candle has AVX2 kernels
+    /// for Q8_0 but not for Q4_1): the stored values up to 8-bit rounding.
+    Q8,
+    /// Both [`WeightFormat::Q8`] and [`WeightFormat::F32`]: forward calls of
+    /// fewer than [`AUTO_DENSE_ROWS`] tokens (decoding) use the Q8_0 copy, longer
+    /// ones (prefill chunks) the f32 GEMM. The fastest on x86 CPUs.
+    Auto,
 }
+
+/// Rows from which [`WeightFormat::Auto`] switches to the f32 GEMM.
+pub const AUTO_DENSE_ROWS: usize = 16;
 
 /// One linear layer `y = x W^T`, `W: [out, in]`.
 #[derive(Debug)]
@@ -37,6 +47,7 @@ struct Linear {
 enum LinearW {
     Quant(QMatMul),
     Dense(Tensor),
+    Both(QMatMul, Tensor),
 }
 
 impl Linear {
@@ -49,7 +60,10 @@ impl Linear {
         let w = match format {
             WeightFormat::Quantized if same => {
                 let qt = if parts.len() == 1 {
-                    parts.into_iter().next().ok_or_else(|| Error::invalid("linear", "no parts"))?
+                    parts
+                        .into_iter()
+                        .next()
+                        .ok_or_else(|| Error::invalid("linear", "no parts"))?
                 } else {
                     // Rows of blocks are contiguous: stacking rows is concatenating bytes.
                     let mut bytes = Vec::new();
@@ -67,18 +81,21 @@ impl Linear {
                     .map(|p| p.dequantize(&Device::Cpu))
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 let w = Tensor::cat(&ts, 0)?.contiguous()?;
-                if format == WeightFormat::Quantized {
-                    LinearW::Quant(QMatMul::Tensor(w))
-                } else {
-                    LinearW::Dense(w)
+                let q8 = |w: &Tensor| -> Result<QMatMul> {
+                    Ok(QMatMul::from_qtensor(QTensor::quantize(
+                        w,
+                        GgmlDType::Q8_0,
+                    )?)?)
+                };
+                match format {
+                    WeightFormat::Quantized => LinearW::Quant(QMatMul::Tensor(w)),
+                    WeightFormat::F32 => LinearW::Dense(w),
+                    WeightFormat::Q8 => LinearW::Quant(q8(&w)?),
+                    WeightFormat::Auto => LinearW::Both(q8(&w)?, w),
                 }
             }
         };
-        Ok(Self {
-            w,
-            in_dim,
-            out_dim,
-        })
+        Ok(Self { w, in_dim, out_dim })
     }
 
     /// `x: [n, in]` row-major to `[n, out]`.
@@ -87,7 +104,8 @@ impl Linear {
         let t = Tensor::from_slice(x, (n, self.in_dim), &Device::Cpu)?;
         let y = match &self.w {
             LinearW::Quant(q) => q.forward(&t)?,
-            LinearW::Dense(w) => t.matmul(&w.t()?)?,
+            LinearW::Both(q, _) if n < AUTO_DENSE_ROWS => q.forward(&t)?,
+            LinearW::Dense(w) | LinearW::Both(_, w) => t.matmul(&w.t()?)?,
         };
         let y = y.flatten_all()?.to_vec1::<f32>()?;
         debug_assert_eq!(y.len(), n * self.out_dim);
@@ -136,7 +154,10 @@ impl LlamaWeights {
         let c = LlamaConfig::from_gguf(f)?;
         let (d, kv, ff) = (c.dim, c.kv_dim(), c.ffn_dim);
         let embd_q = f.tensor("token_embd.weight", &[c.vocab_size, d])?;
-        let embed = embd_q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let embed = embd_q
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
         let head_q = if f.has_tensor("output.weight") {
             f.tensor("output.weight", &[c.vocab_size, d])?
         } else {
@@ -256,7 +277,10 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
     for (t, r) in x.chunks_exact_mut(row).enumerate() {
-        let (c, s) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
         for h in r.chunks_exact_mut(head_dim) {
             for (i, p) in h.chunks_exact_mut(2).enumerate() {
                 let (a, b) = (p[0], p[1]);
@@ -294,9 +318,14 @@ impl Llama {
     ///
     /// # Errors
     /// As [`FullAttention::new`].
-    pub fn with_full_attention<T: KvElem + Send + 'static>(weights: Arc<LlamaWeights>) -> Result<Self> {
+    pub fn with_full_attention<T: KvElem + Send + 'static>(
+        weights: Arc<LlamaWeights>,
+    ) -> Result<Self> {
         Self::new(weights, |_, shape| {
-            Ok(Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?) as BoxedAttention)
+            Ok(
+                Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?)
+                    as BoxedAttention,
+            )
         })
     }
 

@@ -106,11 +106,21 @@ pub fn vocabulary() -> (Vec<String>, Vec<i32>) {
 /// [`Error::Candle`] when writing fails.
 pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> {
     let s = spec;
-    if s.n_heads == 0 || s.n_kv_heads == 0 || s.dim % s.n_heads != 0 || s.n_heads % s.n_kv_heads != 0 {
-        return Err(Error::invalid("spec", "heads must divide the width and each other"));
+    if s.n_heads == 0
+        || s.n_kv_heads == 0
+        || s.dim % s.n_heads != 0
+        || s.n_heads % s.n_kv_heads != 0
+    {
+        return Err(Error::invalid(
+            "spec",
+            "heads must divide the width and each other",
+        ));
     }
     if s.quantized && (s.dim % 32 != 0 || s.ffn_dim % 32 != 0) {
-        return Err(Error::invalid("spec", "quantized widths must be multiples of 32"));
+        return Err(Error::invalid(
+            "spec",
+            "quantized widths must be multiples of 32",
+        ));
     }
     let head_dim = s.dim / s.n_heads;
     let kv = s.n_kv_heads * head_dim;
@@ -124,10 +134,18 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         Ok(QTensor::quantize(&t, dtype)?)
     };
     let w = 1.0 / (s.dim as f32).sqrt();
-    let mut named: Vec<(String, QTensor)> = vec![("token_embd.weight".into(), mat(vocab, s.dim, 1.0, GgmlDType::Q8_0)?)];
+    let mut named: Vec<(String, QTensor)> = vec![(
+        "token_embd.weight".into(),
+        mat(vocab, s.dim, 1.0, GgmlDType::Q8_0)?,
+    )];
     let norm = |len: usize, seed: u64| -> Result<QTensor> {
-        let data: Vec<f32> = (0..len).map(|i| 1.0 + 0.1 * (((i as u64 * 31 + seed) % 7) as f32 - 3.0) / 3.0).collect();
-        Ok(QTensor::quantize(&Tensor::from_vec(data, len, &Device::Cpu)?, GgmlDType::F32)?)
+        let data: Vec<f32> = (0..len)
+            .map(|i| 1.0 + 0.1 * (((i as u64 * 31 + seed) % 7) as f32 - 3.0) / 3.0)
+            .collect();
+        Ok(QTensor::quantize(
+            &Tensor::from_vec(data, len, &Device::Cpu)?,
+            GgmlDType::F32,
+        )?)
     };
     named.push(("output_norm.weight".into(), norm(s.dim, 1)?));
     for l in 0..s.n_layers {
@@ -140,7 +158,15 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         named.push((p("attn_output"), mat(s.dim, s.dim, w, GgmlDType::Q4_1)?));
         named.push((p("ffn_gate"), mat(s.ffn_dim, s.dim, w, GgmlDType::Q4_1)?));
         named.push((p("ffn_up"), mat(s.ffn_dim, s.dim, w, GgmlDType::Q4_1)?));
-        named.push((p("ffn_down"), mat(s.dim, s.ffn_dim, 1.0 / (s.ffn_dim as f32).sqrt(), GgmlDType::Q4_1)?));
+        named.push((
+            p("ffn_down"),
+            mat(
+                s.dim,
+                s.ffn_dim,
+                1.0 / (s.ffn_dim as f32).sqrt(),
+                GgmlDType::Q4_1,
+            )?,
+        ));
     }
     let str_arr = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let merges: Vec<String> = MERGES.iter().map(|m| m.to_string()).collect();
@@ -152,7 +178,10 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         ("llama.embedding_length", Value::U32(s.dim as u32)),
         ("llama.feed_forward_length", Value::U32(s.ffn_dim as u32)),
         ("llama.attention.head_count", Value::U32(s.n_heads as u32)),
-        ("llama.attention.head_count_kv", Value::U32(s.n_kv_heads as u32)),
+        (
+            "llama.attention.head_count_kv",
+            Value::U32(s.n_kv_heads as u32),
+        ),
         ("llama.rope.freq_base", Value::F32(s.rope_theta)),
         ("llama.rope.dimension_count", Value::U32(head_dim as u32)),
         ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
@@ -160,7 +189,10 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
         ("tokenizer.ggml.pre", Value::String("smollm".into())),
         ("tokenizer.ggml.tokens", str_arr(&tokens)),
-        ("tokenizer.ggml.token_type", Value::Array(types.iter().map(|&t| Value::I32(t)).collect())),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+        ),
         ("tokenizer.ggml.merges", str_arr(&merges)),
         ("tokenizer.ggml.bos_token_id", Value::U32(1)),
         ("tokenizer.ggml.eos_token_id", Value::U32(2)),
