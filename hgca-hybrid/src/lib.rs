@@ -8,8 +8,10 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod engine;
 mod full;
 
+pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
 pub use full::FullAttention;
 
 use hgca_kernels::Result;

@@ -1,0 +1,633 @@
+//! The hybrid layer: dense window + CPU store + MAW selection + exact merge.
+
+use std::time::{Duration, Instant};
+
+use hgca_cpu::CpuBackend;
+use hgca_kernels::{
+    Alpha, AttnShape, Beta, DType, DenseAttention, Error, KvElem, KvSource, KvStore, KvWindow,
+    Partial, PartialLayout, Result, Selection, SparseAttention, WindowSpec, check_len, merge_into,
+};
+
+use crate::SequenceAttention;
+
+/// How CPU entries whose importance rises get back into the selection.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Recovery {
+    /// The paper: MAW of CPU entries changes only when they are attended;
+    /// an entry below the threshold never comes back between appends.
+    Frozen,
+    /// Every `every` decode steps, attend to *all* CPU entries exactly
+    /// (that step is full attention) and refresh every entry's MAW.
+    Rescore {
+        /// Period in decode steps (>= 1).
+        every: usize,
+    },
+    /// Quest-style: per block of the CPU store, elementwise key bounds give
+    /// an upper bound of any score in the block; each step admits the `top`
+    /// blocks with the highest bound (per KV head) on top of the MAW rule.
+    BlockBounds {
+        /// Blocks admitted per step and KV head.
+        top: usize,
+    },
+}
+
+/// Configuration of a [`HybridAttention`] layer.
+#[derive(Debug, Clone)]
+pub struct HybridConfig {
+    /// Dense window capacity in tokens (the GPU's share of the cache).
+    pub window: usize,
+    /// Eviction block in tokens (a power of two, `<= window`).
+    pub block: usize,
+    /// The first `sinks` tokens of the sequence are always attended.
+    pub sinks: usize,
+    /// `beta` of the selection rule `maw > beta / n_gpu`, one value for
+    /// every KV head (see [`HybridConfig::beta_per_head`] for per-head values).
+    pub beta: f32,
+    /// Per-head `beta`, overriding `beta` when set (one per KV head).
+    pub beta_per_head: Option<Vec<f32>>,
+    /// MAW smoothing: `maw <- alpha * maw + (1 - alpha) * weight`.
+    pub alpha: f32,
+    /// How entries whose importance rises come back.
+    pub recovery: Recovery,
+    /// KV storage type on both sides.
+    pub dtype: DType,
+}
+
+impl Default for HybridConfig {
+    /// Window 1024 tokens, blocks of 64, 4 sinks, beta 1.0, alpha 0.9,
+    /// exact re-scoring every 16 steps, f16 KV.
+    fn default() -> Self {
+        Self {
+            window: 1024,
+            block: 64,
+            sinks: 4,
+            beta: 1.0,
+            beta_per_head: None,
+            alpha: 0.9,
+            recovery: Recovery::Rescore { every: 16 },
+            dtype: DType::F16,
+        }
+    }
+}
+
+impl HybridConfig {
+    fn validate(&self, shape: &AttnShape) -> Result<(Beta, Alpha)> {
+        if self.block == 0 {
+            return Err(Error::Zero { what: "block" });
+        }
+        if self.window < self.block {
+            return Err(Error::Capacity {
+                what: "window smaller than one block",
+                capacity: self.window,
+                requested: self.block,
+            });
+        }
+        if !self.block.is_power_of_two() {
+            return Err(Error::Param {
+                what: "block",
+                value: self.block as f64,
+                expected: "a power of two",
+            });
+        }
+        match self.recovery {
+            Recovery::Rescore { every: 0 } => {
+                return Err(Error::Zero {
+                    what: "rescore period",
+                });
+            }
+            Recovery::BlockBounds { top: 0 } => {
+                return Err(Error::Zero {
+                    what: "block bounds top",
+                });
+            }
+            _ => {}
+        }
+        let beta = match &self.beta_per_head {
+            Some(b) => {
+                check_len("beta_per_head", shape.kv_heads(), b.len())?;
+                Beta::new(b.clone())?
+            }
+            None => Beta::uniform(shape.kv_heads(), self.beta)?,
+        };
+        Ok((beta, Alpha::new(self.alpha)?))
+    }
+}
+
+/// What the last `forward` did and how long each part took.
+#[derive(Debug, Clone, Default)]
+pub struct StepStats {
+    /// Tokens in the dense window.
+    pub window_tokens: usize,
+    /// Tokens in the CPU store.
+    pub cpu_tokens: usize,
+    /// CPU entries attended, summed over KV heads.
+    pub selected: usize,
+    /// Whether this step attended every CPU entry (a re-score step or a prompt chunk).
+    pub full_cpu: bool,
+    /// Time from submitting the dense work to its result.
+    pub dense: Duration,
+    /// Time of the CPU side (selection and sparse attention).
+    pub sparse: Duration,
+    /// Time of the merge and the MAW updates.
+    pub merge: Duration,
+    /// Wall time of the whole step.
+    pub total: Duration,
+}
+
+impl StepStats {
+    /// Selected fraction of the CPU entries (0 when the store is empty).
+    pub fn selected_fraction(&self, kv_heads: usize) -> f64 {
+        if self.cpu_tokens == 0 {
+            0.0
+        } else {
+            self.selected as f64 / (self.cpu_tokens * kv_heads) as f64
+        }
+    }
+}
+
+/// The hybrid attention of one layer: the most recent tokens in a dense
+/// window on backend `D` (a GPU, or the CPU standing in), older tokens in a
+/// CPU store attended sparsely by `S` over the entries selected per KV head
+/// by their MAW, the two partials merged exactly.
+///
+/// A decode step submits the dense work, runs the CPU side meanwhile, then
+/// waits and merges; only outputs and LSE values cross between the sides.
+///
+/// ```
+/// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
+/// use hgca_kernels::{AttnShape, DType};
+/// let shape = AttnShape::new(4, 2, 16)?;
+/// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+/// let mut layer = HybridAttention::<_, _, f32>::cpu(shape, cfg)?;
+/// let mut out = vec![0.0; 4 * 16];
+/// for t in 0..200 {
+///     let x: Vec<f32> = (0..32).map(|i| ((t * 7 + i) % 13) as f32 / 13.0).collect();
+///     layer.forward(&vec![0.1; 64], &x, &x, 1, &mut out)?;
+/// }
+/// assert_eq!(layer.len(), 200);
+/// assert!(layer.stats().cpu_tokens >= 200 - 64);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+#[derive(Debug)]
+pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
+    shape: AttnShape,
+    cfg: HybridConfig,
+    beta: Beta,
+    alpha: Alpha,
+    dense: D,
+    sparse: S,
+    cpu: CpuBackend,
+    window: D::Window,
+    /// MAW of the window's tokens, `[kv_heads][capacity]`, in the window's ring order.
+    win_maw: Vec<f32>,
+    win_head: usize,
+    store: KvStore<T>,
+    /// MAW of the CPU entries, one list per KV head.
+    maw: Vec<Vec<f32>>,
+    /// Per KV head, per store block: elementwise min and max of its keys (`[2, d]`).
+    bounds: Vec<Vec<f32>>,
+    sel: Selection,
+    steps: usize,
+    /// Union lse of the last decode step per query head (reference for block bounds).
+    last_lse: Vec<f32>,
+    stats: StepStats,
+    evict_k: Vec<T>,
+    evict_v: Vec<T>,
+}
+
+impl<T: KvElem> HybridAttention<CpuBackend, CpuBackend, T> {
+    /// The CPU in both roles (no GPU): the window is host memory, dense
+    /// attention runs on the CPU too.
+    ///
+    /// # Errors
+    /// As [`HybridAttention::new`].
+    pub fn cpu(shape: AttnShape, cfg: HybridConfig) -> Result<Self> {
+        let cpu = CpuBackend::new();
+        Self::new(shape, cfg, cpu.clone(), cpu)
+    }
+}
+
+impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> {
+    /// A layer with `dense` owning the window and `sparse` attending the CPU store.
+    ///
+    /// # Errors
+    /// [`Error::Zero`], [`Error::Param`], [`Error::Capacity`] for a bad
+    /// config (block 0 or not a power of two, window smaller than a block,
+    /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`]
+    /// when `T` is not `cfg.dtype`; backend errors creating the window.
+    pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
+        let (beta, alpha) = cfg.validate(&shape)?;
+        if T::DTYPE != cfg.dtype {
+            return Err(Error::UnsupportedDType {
+                dtype: cfg.dtype,
+                backend: "hybrid",
+                reason: format!("the layer stores {}", T::DTYPE),
+            });
+        }
+        let window = dense.new_window(WindowSpec::new(shape, cfg.window, cfg.dtype)?)?;
+        let hk = shape.kv_heads();
+        Ok(Self {
+            win_maw: vec![0.0; hk * cfg.window],
+            win_head: 0,
+            store: KvStore::new(hk, shape.head_dim(), cfg.block)?,
+            maw: vec![Vec::new(); hk],
+            bounds: vec![Vec::new(); hk],
+            sel: Selection::new(),
+            steps: 0,
+            last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
+            stats: StepStats::default(),
+            evict_k: Vec::new(),
+            evict_v: Vec::new(),
+            cpu: CpuBackend::new(),
+            shape,
+            cfg,
+            beta,
+            alpha,
+            dense,
+            sparse,
+            window,
+        })
+    }
+
+    /// Stats of the last `forward`.
+    pub fn stats(&self) -> &StepStats {
+        &self.stats
+    }
+    /// The layer's shape.
+    pub fn shape(&self) -> &AttnShape {
+        &self.shape
+    }
+    /// The configuration.
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+    /// The CPU entries attended by the last decode step, per KV head
+    /// (indices into the CPU store, whose token `j` is sequence position `j`).
+    pub fn last_selection(&self) -> &Selection {
+        &self.sel
+    }
+    /// Tokens in the CPU store (sequence positions `0..cpu_tokens`); the
+    /// window holds the positions after them.
+    pub fn cpu_tokens(&self) -> usize {
+        self.store.tokens()
+    }
+    /// The MAW of every token, `[kv_heads][len]` in sequence order (CPU entries, then the window's).
+    pub fn maw_snapshot(&self) -> Vec<Vec<f32>> {
+        let cap = self.cfg.window;
+        (0..self.shape.kv_heads())
+            .map(|g| {
+                let mut v = self.maw[g].clone();
+                v.extend(
+                    (0..self.window.len())
+                        .map(|j| self.win_maw[g * cap + (self.win_head + j) % cap]),
+                );
+                v
+            })
+            .collect()
+    }
+
+    /// Evicts one block (or what the window holds, if less) to the CPU store.
+    fn evict_block(&mut self) -> Result<()> {
+        let n = self.cfg.block.min(self.window.len());
+        let (hk, d, cap) = (
+            self.shape.kv_heads(),
+            self.shape.head_dim(),
+            self.cfg.window,
+        );
+        self.evict_k.resize(hk * n * d, T::default());
+        self.evict_v.resize(hk * n * d, T::default());
+        self.dense
+            .evict_oldest(&mut self.window, n, &mut self.evict_k, &mut self.evict_v)?;
+        self.store
+            .push_head_major(n, &self.evict_k, &self.evict_v)?;
+        for g in 0..hk {
+            for i in 0..n {
+                self.maw[g].push(self.win_maw[g * cap + (self.win_head + i) % cap]);
+            }
+            // Key bounds of the new rows, folded into their store blocks.
+            let base = self.store.tokens() - n;
+            for i in 0..n {
+                let j = base + i;
+                let b = j / self.cfg.block;
+                let bnd = &mut self.bounds[g];
+                if bnd.len() < (b + 1) * 2 * d {
+                    bnd.extend(std::iter::repeat_n(f32::INFINITY, d));
+                    bnd.extend(std::iter::repeat_n(f32::NEG_INFINITY, d));
+                }
+                let row = &self.evict_k[(g * n + i) * d..(g * n + i + 1) * d];
+                let (lo, hi) = bnd[b * 2 * d..(b + 1) * 2 * d].split_at_mut(d);
+                for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
+                    let x = x.to_f32();
+                    *l = l.min(x);
+                    *h = h.max(x);
+                }
+            }
+        }
+        self.win_head = (self.win_head + n) % cap;
+        Ok(())
+    }
+
+    /// Appends `n` tokens to the window (space must be free), MAW starting at `init`.
+    fn push_window(&mut self, k: &[f32], v: &[f32], n: usize, init: f32) -> Result<()> {
+        let cap = self.cfg.window;
+        let at = (self.win_head + self.window.len()) % cap;
+        self.dense.append(&mut self.window, n, k, v)?;
+        for g in 0..self.shape.kv_heads() {
+            for i in 0..n {
+                self.win_maw[g * cap + (at + i) % cap] = init;
+            }
+        }
+        Ok(())
+    }
+
+    /// The selection of this decode step: the MAW rule, the sinks, and the
+    /// recovery rule's admissions.
+    fn select(&mut self, q: &[f32]) {
+        let n_gpu = self.window.len();
+        let n = self.store.tokens();
+        let (hk, d, group) = (
+            self.shape.kv_heads(),
+            self.shape.head_dim(),
+            self.shape.group(),
+        );
+        let bt = self.cfg.block;
+        self.sel.clear();
+        let mut admitted: Vec<bool> = Vec::new();
+        for g in 0..hk {
+            admitted.clear();
+            if let Recovery::BlockBounds { top } = self.cfg.recovery {
+                // Upper bound of q.k over each block, max over the group's heads.
+                let nb = n.div_ceil(bt);
+                let bnd = &self.bounds[g];
+                let scale = self.shape.scale();
+                let mut ub: Vec<(f32, usize)> = (0..nb)
+                    .map(|b| {
+                        let (lo, hi) = bnd[b * 2 * d..(b + 1) * 2 * d].split_at(d);
+                        let best = (0..group)
+                            .map(|i| {
+                                let qh = &q[(g * group + i) * d..(g * group + i + 1) * d];
+                                let s: f32 = qh
+                                    .iter()
+                                    .zip(lo)
+                                    .zip(hi)
+                                    .map(|((&x, &l), &h)| (x * l).max(x * h))
+                                    .sum();
+                                s * scale - self.last_lse[g * group + i]
+                            })
+                            .fold(f32::NEG_INFINITY, f32::max);
+                        (best, b)
+                    })
+                    .collect();
+                let top = top.min(nb);
+                if top > 0 && top < nb {
+                    ub.select_nth_unstable_by(top - 1, |a, b| b.0.total_cmp(&a.0));
+                }
+                admitted.resize(nb, false);
+                for &(_, b) in &ub[..top] {
+                    admitted[b] = true;
+                }
+            }
+            let t = self.beta.threshold(g, n_gpu);
+            let maw = &self.maw[g];
+            let sinks = self.cfg.sinks;
+            self.sel.push_head(
+                (0..n)
+                    .filter(|&j| {
+                        j < sinks || maw[j] > t || admitted.get(j / bt).copied().unwrap_or(false)
+                    })
+                    .map(|j| j as u32),
+            );
+        }
+    }
+
+    /// Decode: one token whose K/V enter the window, attention over everything.
+    fn decode(&mut self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
+        let t0 = Instant::now();
+        if self.window.free() == 0 {
+            self.evict_block()?;
+        }
+        let init = 1.0 / (self.window.len() + 1) as f32;
+        self.push_window(k, v, 1, init)?;
+        let s = self.shape;
+        let layout = PartialLayout::decode(&s);
+        let n_win = self.window.len();
+        // 1. Dense side: submit, do not wait.
+        let td = Instant::now();
+        let pending = self.dense.submit_decode(&self.window, q, true)?;
+        let submitted = td.elapsed();
+        // 2. CPU side meanwhile.
+        let ts = Instant::now();
+        let full = matches!(self.cfg.recovery, Recovery::Rescore { every } if self.steps % every == every - 1);
+        let mut cpu_part = Partial::empty(layout);
+        let mut cpu_w;
+        if full {
+            self.sel = Selection::all(s.kv_heads(), self.store.tokens());
+            cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
+            self.cpu
+                .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
+        } else {
+            self.select(q);
+            cpu_w = vec![0.0; s.group() * self.sel.total()];
+            self.sparse.sparse_decode(
+                &s,
+                q,
+                &self.store,
+                &self.sel,
+                cpu_part.as_mut(),
+                Some(&mut cpu_w),
+            )?;
+        }
+        let sparse = ts.elapsed();
+        // 3. Wait for the dense side, merge exactly.
+        let tw = Instant::now();
+        let mut gpu_part = Partial::empty(layout);
+        let mut gpu_w = vec![0.0; s.q_heads() * n_win];
+        self.dense
+            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
+        let waited = tw.elapsed();
+        let tm = Instant::now();
+        let mut merged = gpu_part.clone();
+        merge_into(merged.as_mut(), cpu_part.as_ref())?;
+        out.copy_from_slice(merged.out());
+        self.last_lse.copy_from_slice(merged.lse());
+        // 4. MAW from weights normalised over the union, mean over each query group.
+        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+        self.steps += 1;
+        self.stats = StepStats {
+            window_tokens: n_win,
+            cpu_tokens: self.store.tokens(),
+            selected: self.sel.total(),
+            full_cpu: full,
+            dense: submitted + waited,
+            sparse,
+            merge: tm.elapsed(),
+            total: t0.elapsed(),
+        };
+        Ok(())
+    }
+
+    fn update_maw(
+        &mut self,
+        gpu: &Partial,
+        gpu_w: &[f32],
+        cpu: &Partial,
+        cpu_w: &[f32],
+        lse: &[f32],
+    ) {
+        let s = self.shape;
+        let (group, cap) = (s.group(), self.cfg.window);
+        let a = self.alpha.get();
+        let n_win = self.window.len();
+        let mut mean = Vec::new();
+        for g in 0..s.kv_heads() {
+            // Window entries.
+            mean.clear();
+            mean.resize(n_win, 0.0f32);
+            for i in 0..group {
+                let h = g * group + i;
+                let f = (gpu.lse()[h] - lse[h]).exp() / group as f32;
+                for (m, &w) in mean.iter_mut().zip(&gpu_w[h * n_win..(h + 1) * n_win]) {
+                    *m += w * f;
+                }
+            }
+            for (j, &w) in mean.iter().enumerate() {
+                let m = &mut self.win_maw[g * cap + (self.win_head + j) % cap];
+                *m = a * *m + (1.0 - a) * w;
+            }
+            // CPU entries that were attended.
+            let idx = self.sel.head(g);
+            mean.clear();
+            mean.resize(idx.len(), 0.0);
+            let base = group * self.sel.offset(g);
+            for i in 0..group {
+                let h = g * group + i;
+                let f = if cpu.lse()[h] == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (cpu.lse()[h] - lse[h]).exp() / group as f32
+                };
+                for (m, &w) in mean
+                    .iter_mut()
+                    .zip(&cpu_w[base + i * idx.len()..base + (i + 1) * idx.len()])
+                {
+                    *m += w * f;
+                }
+            }
+            let maw = &mut self.maw[g];
+            for (&j, &w) in idx.iter().zip(&mean) {
+                let m = &mut maw[j as usize];
+                *m = a * *m + (1.0 - a) * w;
+            }
+        }
+    }
+
+    /// A prompt chunk: pieces of at most a window; each piece's queries
+    /// attend densely to the window (causal) and to the whole CPU store (all
+    /// older), merged; then the MAW of every entry is re-evaluated from the
+    /// chunk's last query (the paper's re-evaluation on append).
+    fn prefill(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let s = self.shape;
+        let (ql, kl) = (s.q_len(), s.kv_token_len());
+        let piece_max = self.cfg.window;
+        let (mut dense_t, mut cpu_t) = (Duration::ZERO, Duration::ZERO);
+        let mut done = 0;
+        while done < n {
+            let m = (n - done).min(piece_max);
+            while self.window.free() < m {
+                self.evict_block()?;
+            }
+            let p0 = (self.store.tokens() + self.window.len()) as u64;
+            self.push_window(
+                &k[done * kl..(done + m) * kl],
+                &v[done * kl..(done + m) * kl],
+                m,
+                0.0,
+            )?;
+            let qp = &q[done * ql..(done + m) * ql];
+            let layout = PartialLayout::append(&s, m);
+            let td = Instant::now();
+            let pending = self.dense.submit_append(&self.window, qp, m, p0)?;
+            dense_t += td.elapsed();
+            let tc = Instant::now();
+            let mut cpu_part = Partial::empty(layout);
+            let all = self.store.tokens();
+            self.cpu
+                .dense_append(&s, qp, m, all, &self.store, cpu_part.as_mut())?;
+            cpu_t += tc.elapsed();
+            let tw = Instant::now();
+            let mut part = Partial::empty(layout);
+            self.dense.wait(pending, part.as_mut(), None)?;
+            dense_t += tw.elapsed();
+            merge_into(part.as_mut(), cpu_part.as_ref())?;
+            out[done * ql..(done + m) * ql].copy_from_slice(part.out());
+            done += m;
+        }
+        // Re-evaluate every entry's MAW against the chunk's last query.
+        let q_last = &q[(n - 1) * ql..n * ql];
+        let layout = PartialLayout::decode(&s);
+        let pending = self.dense.submit_decode(&self.window, q_last, true)?;
+        let mut cpu_part = Partial::empty(layout);
+        let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
+        self.cpu
+            .dense_decode(&s, q_last, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
+        let mut gpu_part = Partial::empty(layout);
+        let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
+        self.dense
+            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
+        let mut merged = gpu_part.clone();
+        merge_into(merged.as_mut(), cpu_part.as_ref())?;
+        self.last_lse.copy_from_slice(merged.lse());
+        self.sel = Selection::all(s.kv_heads(), self.store.tokens());
+        // alpha = 0 for this refresh: the MAW becomes the exact current weight.
+        let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
+        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+        self.alpha = alpha;
+        self.stats = StepStats {
+            window_tokens: self.window.len(),
+            cpu_tokens: self.store.tokens(),
+            selected: self.sel.total(),
+            full_cpu: true,
+            dense: dense_t,
+            sparse: cpu_t,
+            merge: Duration::ZERO,
+            total: t0.elapsed(),
+        };
+        Ok(())
+    }
+}
+
+impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
+    for HybridAttention<D, S, T>
+{
+    fn forward(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let s = self.shape;
+        check_len("q", n * s.q_len(), q.len())?;
+        check_len("k", n * s.kv_token_len(), k.len())?;
+        check_len("v", n * s.kv_token_len(), v.len())?;
+        check_len("out", n * s.q_len(), out.len())?;
+        match n {
+            0 => Ok(()),
+            1 => self.decode(q, k, v, out),
+            _ => self.prefill(q, k, v, n, out),
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.store.tokens() + self.window.len()
+    }
+}

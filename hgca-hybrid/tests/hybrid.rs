@@ -1,0 +1,184 @@
+//! The hybrid layer against full attention and the f64 reference.
+
+use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
+use hgca_kernels::{AttnShape, DType, Error, bf16, f16};
+use hgca_testkit::Rng;
+use proptest::prelude::*;
+
+fn tokens(rng: &mut Rng, n: usize, width: usize, scale: f32) -> Vec<f32> {
+    (0..n * width).map(|_| scale * rng.sym()).collect()
+}
+
+/// Feeds the same sequence (a prompt in chunks, then decode steps) to the
+/// hybrid layer and to full attention; returns the largest output difference.
+fn run_both(shape: AttnShape, cfg: HybridConfig, chunks: &[usize], seed: u64) -> f32 {
+    let mut rng = Rng::new(seed);
+    let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
+    let mut full = FullAttention::<f32>::new(shape, hgca_cpu::CpuBackend::new()).unwrap();
+    let mut worst = 0.0f32;
+    for &n in chunks {
+        let q = tokens(&mut rng, n, shape.q_len(), 1.5);
+        let k = tokens(&mut rng, n, shape.kv_token_len(), 1.5);
+        let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+        let mut a = vec![f32::NAN; n * shape.q_len()];
+        let mut b = vec![f32::NAN; n * shape.q_len()];
+        hy.forward(&q, &k, &v, n, &mut a).unwrap();
+        full.forward(&q, &k, &v, n, &mut b).unwrap();
+        assert_eq!(hy.len(), full.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!(x.is_finite(), "hybrid wrote a non-finite output");
+            worst = worst.max((x - y).abs());
+        }
+    }
+    worst
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// With every CPU entry selected (all are sinks), hybrid attention is
+    /// full attention up to float rounding, through window wrap-around,
+    /// chunked prefill and decode.
+    #[test]
+    fn all_selected_equals_full(
+        kv in 1usize..3, g in 1usize..4, d in prop::sample::select(vec![1usize, 8, 17, 64]),
+        block_pow in 0u32..4, blocks in 1usize..5,
+        chunks in prop::collection::vec(prop::sample::select(vec![1usize, 1, 1, 3, 20, 70]), 1..12),
+        seed in any::<u64>(),
+    ) {
+        let shape = AttnShape::new(kv * g, kv, d).unwrap();
+        let block = 1 << block_pow;
+        let cfg = HybridConfig { window: block * blocks, block, sinks: usize::MAX, dtype: DType::F32, ..HybridConfig::default() };
+        let worst = run_both(shape, cfg, &chunks, seed);
+        prop_assert!(worst < 2e-5, "max |hybrid - full| = {worst}");
+    }
+}
+
+#[test]
+fn rescore_and_bounds_modes_run_and_stay_close() {
+    let shape = AttnShape::new(4, 2, 32).unwrap();
+    for recovery in [
+        Recovery::Frozen,
+        Recovery::Rescore { every: 4 },
+        Recovery::BlockBounds { top: 2 },
+    ] {
+        let cfg = HybridConfig {
+            window: 64,
+            block: 16,
+            beta: 0.5,
+            recovery,
+            dtype: DType::F32,
+            ..HybridConfig::default()
+        };
+        // Random data has flat attention: a sparse selection loses mass, but outputs stay bounded.
+        let worst = run_both(shape, cfg, &[100, 1, 1, 1, 1, 1, 1, 1, 1, 50, 1, 1], 3);
+        assert!(worst < 1.0, "{recovery:?}: {worst}");
+    }
+}
+
+#[test]
+fn f16_and_bf16_storage() {
+    let shape = AttnShape::new(4, 2, 16).unwrap();
+    let mut rng = Rng::new(1);
+    let cfg = |dtype| HybridConfig {
+        window: 32,
+        block: 8,
+        sinks: usize::MAX,
+        dtype,
+        ..HybridConfig::default()
+    };
+    let mut a = HybridAttention::<_, _, f16>::cpu(shape, cfg(DType::F16)).unwrap();
+    let mut b = HybridAttention::<_, _, bf16>::cpu(shape, cfg(DType::BF16)).unwrap();
+    let mut f = FullAttention::<f16>::new(shape, hgca_cpu::CpuBackend::new()).unwrap();
+    for n in [40usize, 1, 1, 30, 1] {
+        let q = tokens(&mut rng, n, 64, 1.0);
+        let k = tokens(&mut rng, n, 32, 1.0);
+        let v = tokens(&mut rng, n, 32, 1.0);
+        let (mut oa, mut ob, mut of) = (vec![0.0; n * 64], vec![0.0; n * 64], vec![0.0; n * 64]);
+        a.forward(&q, &k, &v, n, &mut oa).unwrap();
+        b.forward(&q, &k, &v, n, &mut ob).unwrap();
+        f.forward(&q, &k, &v, n, &mut of).unwrap();
+        for i in 0..oa.len() {
+            assert!((oa[i] - of[i]).abs() < 1e-4, "f16 hybrid vs f16 full");
+            assert!((ob[i] - of[i]).abs() < 0.05, "bf16 vs f16 storage");
+        }
+    }
+    assert_eq!(a.cpu_tokens(), a.len() - a.stats().window_tokens);
+}
+
+#[test]
+fn bad_config_and_input_are_typed_errors() {
+    let shape = AttnShape::new(4, 2, 8).unwrap();
+    let base = HybridConfig {
+        dtype: DType::F32,
+        window: 64,
+        block: 16,
+        ..HybridConfig::default()
+    };
+    let bad = [
+        HybridConfig {
+            block: 0,
+            ..base.clone()
+        },
+        HybridConfig {
+            block: 12,
+            ..base.clone()
+        },
+        HybridConfig {
+            window: 8,
+            ..base.clone()
+        },
+        HybridConfig {
+            beta: f32::NAN,
+            ..base.clone()
+        },
+        HybridConfig {
+            beta: -1.0,
+            ..base.clone()
+        },
+        HybridConfig {
+            alpha: 1.5,
+            ..base.clone()
+        },
+        HybridConfig {
+            recovery: Recovery::Rescore { every: 0 },
+            ..base.clone()
+        },
+        HybridConfig {
+            beta_per_head: Some(vec![1.0]),
+            ..base.clone()
+        },
+    ];
+    for cfg in bad {
+        assert!(
+            HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()).is_err(),
+            "{cfg:?}"
+        );
+    }
+    let e = HybridAttention::<_, _, f16>::cpu(shape, base.clone()).unwrap_err();
+    assert!(matches!(e, Error::UnsupportedDType { .. }), "{e}");
+    let mut layer = HybridAttention::<_, _, f32>::cpu(shape, base).unwrap();
+    // Nothing attended yet: a zero-token forward is a valid no-op.
+    layer.forward(&[], &[], &[], 0, &mut []).unwrap();
+    let mut out = vec![0.0; 32];
+    layer
+        .forward(&[0.0; 32], &[0.0; 16], &[0.0; 16], 1, &mut out)
+        .unwrap();
+    // Wrong lengths: error, and nothing lost or added.
+    assert!(
+        layer
+            .forward(&[0.0; 32], &[0.0; 15], &[0.0; 16], 1, &mut out)
+            .is_err()
+    );
+    assert!(
+        layer
+            .forward(&[0.0; 31], &[0.0; 16], &[0.0; 16], 1, &mut out)
+            .is_err()
+    );
+    assert!(
+        layer
+            .forward(&[0.0; 32], &[0.0; 16], &[0.0; 16], 1, &mut out[..5])
+            .is_err()
+    );
+    assert_eq!(layer.len(), 1);
+}
