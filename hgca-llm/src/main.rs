@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::{Parser, Subcommand, ValueEnum};
-use hgca_hybrid::FullAttention;
-use hgca_kernels::{AttnShape, bf16, f16};
+use std::sync::Mutex;
+
+use hgca_cpu::CpuBackend;
+use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
+use hgca_kernels::{AttnShape, DType, KvElem, bf16, f16};
 use hgca_llm::{
     BoxedAttention, Error, GgufFile, GgufTokenizer, Llama, LlamaWeights, Logits, PplOptions,
     Result, WeightFormat, argmax, perplexity,
@@ -39,34 +42,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Perplexity over N tokens of a text, for each attention variant: a table.
-    Ppl {
-        /// The text file (default: Austen's Persuasion from the fetch script).
-        #[arg(long, default_value = hgca_llm::DEFAULT_TEXT)]
-        text: PathBuf,
-        /// Start the text at the first occurrence of this string (skips the
-        /// title page); empty = from the beginning.
-        #[arg(long, default_value = "Chapter 1")]
-        from: String,
-        /// Tokens to evaluate (the first N tokens after `--from`).
-        #[arg(long, default_value_t = 4096)]
-        tokens: usize,
-        /// Context: non-overlapping segments of this many tokens, each from an
-        /// empty KV cache.
-        #[arg(long, default_value_t = 4096)]
-        context: usize,
-        /// Prefill chunk (tokens per forward call; 1 = decode token by token).
-        #[arg(long, default_value_t = 512)]
-        chunk: usize,
-        /// Attention variants, comma separated: full, hybrid.
-        #[arg(long, value_delimiter = ',', default_value = "full")]
-        attn: Vec<AttnKind>,
-        /// Hybrid: GPU-window size as a fraction of the context (grid).
-        #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
-        window_ratio: Vec<f64>,
-        /// Hybrid: per-head selection threshold beta (grid).
-        #[arg(long, value_delimiter = ',', default_value = "1.0")]
-        beta: Vec<f32>,
-    },
+    Ppl(PplArgs),
     /// Prefill throughput and decode speed at a given context.
     Speed {
         /// Text for the prompt tokens.
@@ -100,6 +76,55 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+}
+
+#[derive(clap::Args, Debug)]
+struct PplArgs {
+    /// The text file (default: Austen's Persuasion from the fetch script).
+    #[arg(long, default_value = hgca_llm::DEFAULT_TEXT)]
+    text: PathBuf,
+    /// Start the text at the first occurrence of this string (skips the
+    /// title page); empty = from the beginning.
+    #[arg(long, default_value = "Chapter 1")]
+    from: String,
+    /// Tokens to evaluate (the first N tokens after `--from`).
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Context: non-overlapping segments of this many tokens, each from an
+    /// empty KV cache.
+    #[arg(long, default_value_t = 4096)]
+    context: usize,
+    /// Prefill chunk (tokens per forward call; 1 = decode token by token).
+    #[arg(long, default_value_t = 512)]
+    chunk: usize,
+    /// Attention variants, comma separated: full, hybrid.
+    #[arg(long, value_delimiter = ',', default_value = "full")]
+    attn: Vec<AttnKind>,
+    /// Hybrid: GPU-window size as a fraction of the context (grid).
+    #[arg(long, value_delimiter = ',', default_value = "0.25,0.5,0.75")]
+    window_ratio: Vec<f64>,
+    /// Hybrid: per-head selection threshold beta (grid).
+    #[arg(long, value_delimiter = ',', default_value = "1.0")]
+    beta: Vec<f32>,
+    /// Hybrid: recovery rule: frozen (the paper), rescore:N (exact
+    /// re-scoring every N steps), bounds:N (Quest-style top N blocks).
+    #[arg(long, default_value = "rescore:16")]
+    recovery: String,
+    /// Hybrid: eviction block (power of two).
+    #[arg(long, default_value_t = 64)]
+    block: usize,
+    /// Hybrid: always-attended first tokens.
+    #[arg(long, default_value_t = 4)]
+    sinks: usize,
+    /// Tokens of each segment that are context only (prefilled in chunks,
+    /// not scored); default: 0 (score every prediction).
+    #[arg(long, default_value_t = 0)]
+    score_from: usize,
+    /// Feed the scored tokens one by one (decode steps). The hybrid layer
+    /// selects CPU entries only when decoding: its prompt chunks attend
+    /// every CPU entry exactly.
+    #[arg(long)]
+    decode: bool,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,17 +169,85 @@ fn full_factory(kv: Kv) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention
     }
 }
 
-fn hybrid_factory(
-    _kv: Kv,
-    _context: usize,
-    _ratio: f64,
-    _beta: f32,
-) -> Result<impl FnMut(usize, AttnShape) -> Result<BoxedAttention>> {
-    Err::<fn(usize, AttnShape) -> Result<BoxedAttention>, _>(Error::Invalid {
-        what: "--attn hybrid",
-        msg: "hgca_hybrid::HybridAttention has not landed in hgca-hybrid yet; only `full` runs"
-            .into(),
+/// Selected CPU entries and CPU entries seen, summed over decode steps
+/// that selected (not re-score steps or prompt chunks) and layers.
+#[derive(Debug, Default)]
+struct SelCount {
+    selected: u64,
+    candidates: u64,
+}
+
+/// A hybrid layer that adds its selection statistics to a shared counter.
+struct Counted<A> {
+    inner: A,
+    count: Arc<Mutex<SelCount>>,
+}
+
+impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBackend, T>> {
+    fn forward(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> hgca_kernels::Result<()> {
+        self.inner.forward(q, k, v, n, out)?;
+        let st = self.inner.stats();
+        if n == 1 && !st.full_cpu && st.cpu_tokens > 0 {
+            let kvh = self.inner.shape().kv_heads();
+            let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
+            c.selected += st.selected as u64;
+            c.candidates += (st.cpu_tokens * kvh) as u64;
+        }
+        Ok(())
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+}
+
+fn parse_recovery(s: &str) -> Result<Recovery> {
+    let bad = || Error::Invalid {
+        what: "--recovery",
+        msg: format!("`{s}`: expected frozen, rescore:N or bounds:N"),
+    };
+    let (kind, n) = s.split_once(':').unwrap_or((s, ""));
+    let n = || n.parse::<usize>().map_err(|_| bad());
+    Ok(match kind {
+        "frozen" => Recovery::Frozen,
+        "rescore" => Recovery::Rescore { every: n()? },
+        "bounds" => Recovery::BlockBounds { top: n()? },
+        _ => return Err(bad()),
     })
+}
+
+fn hybrid_factory(
+    kv: Kv,
+    cfg: HybridConfig,
+    count: Arc<Mutex<SelCount>>,
+) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> {
+    move |_, shape| {
+        let count = Arc::clone(&count);
+        let with = |dtype| HybridConfig {
+            dtype,
+            ..cfg.clone()
+        };
+        Ok(match kv {
+            Kv::F32 => Box::new(Counted {
+                inner: HybridAttention::<_, _, f32>::cpu(shape, with(DType::F32))?,
+                count,
+            }) as BoxedAttention,
+            Kv::F16 => Box::new(Counted {
+                inner: HybridAttention::<_, _, f16>::cpu(shape, with(DType::F16))?,
+                count,
+            }),
+            Kv::Bf16 => Box::new(Counted {
+                inner: HybridAttention::<_, _, bf16>::cpu(shape, with(DType::BF16))?,
+                count,
+            }),
+        })
+    }
 }
 
 fn missing(path: &Path, what: &str) -> Error {
@@ -248,95 +341,145 @@ fn bar(len: usize) -> ProgressBar {
     pb
 }
 
-#[allow(clippy::too_many_arguments)]
-fn cmd_ppl(
-    cli: &Cli,
-    text: &Path,
-    from: &str,
-    tokens: usize,
-    context: usize,
-    chunk: usize,
-    attn: &[AttnKind],
-    ratios: &[f64],
-    betas: &[f32],
-) -> Result<()> {
+fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
     let (tok, w) = load(cli)?;
-    let ids = read_tokens(&tok, text, from, tokens)?;
+    let ids = read_tokens(&tok, &a.text, &a.from, a.tokens)?;
     let preview = tok.decode(&ids[..ids.len().min(12)])?;
+    let context = a.context.min(ids.len());
     eprintln!(
-        "text: {} — the first {} tokens from `{from}` ({:?}...), segments of {context}, chunk {chunk}",
-        text.display(),
+        "text: {} - the first {} tokens from `{}` ({:?}...), segments of {context}, chunk {}, scoring from {}{}",
+        a.text.display(),
         ids.len(),
-        preview
+        a.from,
+        preview,
+        a.chunk,
+        a.score_from,
+        if a.decode { " by decode steps" } else { "" }
     );
-    let opts = PplOptions { context, chunk };
-    let mut rows: Vec<(String, String, String, f64, f64)> = Vec::new();
+    let opts = PplOptions {
+        context,
+        chunk: a.chunk,
+        score_from: a.score_from,
+        decode: a.decode,
+    };
+    let recovery = parse_recovery(&a.recovery)?;
+    struct Row {
+        kind: &'static str,
+        window: String,
+        beta: String,
+        ppl: f64,
+        tps: f64,
+        selected: String,
+    }
+    let mut rows: Vec<Row> = Vec::new();
     let mut full_ppl = None;
-    for kind in attn {
+    for kind in &a.attn {
         let variants: Vec<(f64, f32)> = match kind {
             AttnKind::Full => vec![(1.0, f32::NAN)],
-            AttnKind::Hybrid => ratios
+            AttnKind::Hybrid => a
+                .window_ratio
                 .iter()
-                .flat_map(|&r| betas.iter().map(move |&b| (r, b)))
+                .flat_map(|&r| a.beta.iter().map(move |&b| (r, b)))
                 .collect(),
         };
         for (ratio, beta) in variants {
             let name = match kind {
                 AttnKind::Full => "full".to_string(),
-                AttnKind::Hybrid => format!("hybrid r={ratio} beta={beta}"),
+                AttnKind::Hybrid => format!("hybrid r={ratio} b={beta}"),
             };
             let pb = bar(ids.len());
             pb.set_message(name.clone());
-            let report = match kind {
-                AttnKind::Full => perplexity(&w, &ids, opts, full_factory(cli.kv), |d| {
-                    pb.set_position(d as u64)
-                })?,
-                AttnKind::Hybrid => perplexity(
-                    &w,
-                    &ids,
-                    opts,
-                    hybrid_factory(cli.kv, context, ratio, beta)?,
-                    |d| pb.set_position(d as u64),
-                )?,
+            let count = Arc::new(Mutex::new(SelCount::default()));
+            let (report, window) = match kind {
+                AttnKind::Full => (
+                    perplexity(&w, &ids, opts, full_factory(cli.kv), |d| {
+                        pb.set_position(d as u64)
+                    })?,
+                    context,
+                ),
+                AttnKind::Hybrid => {
+                    if !(ratio > 0.0 && ratio <= 1.0) {
+                        return Err(Error::Invalid {
+                            what: "--window-ratio",
+                            msg: format!("{ratio} is not in (0, 1]"),
+                        });
+                    }
+                    let block = a.block.max(1);
+                    let window =
+                        (((ratio * context as f64) / block as f64).round() as usize).max(1) * block;
+                    let cfg = HybridConfig {
+                        window,
+                        block,
+                        sinks: a.sinks,
+                        beta,
+                        recovery,
+                        ..HybridConfig::default()
+                    };
+                    let f = hybrid_factory(cli.kv, cfg, Arc::clone(&count));
+                    (
+                        perplexity(&w, &ids, opts, f, |d| pb.set_position(d as u64))?,
+                        window,
+                    )
+                }
             };
             pb.finish_and_clear();
+            let c = count.lock().unwrap_or_else(|e| e.into_inner());
+            let selected = if c.candidates > 0 {
+                format!("{:.1}%", 100.0 * c.selected as f64 / c.candidates as f64)
+            } else {
+                "-".into()
+            };
             if *kind == AttnKind::Full {
                 full_ppl = Some(report.ppl);
             }
             eprintln!(
-                "{name}: ppl {:.4} over {} scored tokens in {} segment(s), {:.1} tok/s",
+                "{name}: ppl {:.4} over {} scored tokens in {} segment(s), {:.1} tok/s, window {window}, selected {selected}",
                 report.ppl,
                 report.scored,
                 report.segments,
                 report.tokens_per_sec()
             );
-            let (r, b) = match kind {
-                AttnKind::Full => ("1.00".to_string(), "-".to_string()),
-                AttnKind::Hybrid => (format!("{ratio:.2}"), format!("{beta}")),
-            };
-            rows.push((
-                format!("{kind:?}").to_lowercase(),
-                r,
-                b,
-                report.ppl,
-                report.tokens_per_sec(),
-            ));
+            rows.push(Row {
+                kind: match kind {
+                    AttnKind::Full => "full",
+                    AttnKind::Hybrid => "hybrid",
+                },
+                window: format!("{window} ({:.2})", window as f64 / context as f64),
+                beta: if *kind == AttnKind::Full {
+                    "-".into()
+                } else {
+                    format!("{beta}")
+                },
+                ppl: report.ppl,
+                tps: report.tokens_per_sec(),
+                selected,
+            });
         }
     }
     println!(
-        "\nPerplexity, {} tokens of {} from `{from}`, context {context} (non-overlapping segments), chunk {chunk}, weights {:?}, KV {:?}",
+        "\nPerplexity: the first {} tokens of {} from `{}`, context {context} (non-overlapping segments, each from an empty cache), chunk {}, scored from token {}{}, weights {:?}, KV {:?}, recovery {}",
         ids.len(),
-        text.display(),
+        a.text.display(),
+        a.from,
+        a.chunk,
+        a.score_from,
+        if a.decode { " (decode steps)" } else { "" },
         cli.weights,
-        cli.kv
+        cli.kv,
+        a.recovery
     );
-    println!("| attention | window ratio | beta | PPL | vs full | tok/s |");
-    println!("|---|---|---|---|---|---|");
-    for (k, r, b, p, tps) in rows {
+    println!(
+        "| attention | window (ratio) | beta | PPL | vs full | CPU entries selected | tok/s |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in rows {
         let rel = full_ppl
-            .map(|f| format!("{:+.2}%", 100.0 * (p / f - 1.0)))
+            .map(|f| format!("{:+.2}%", 100.0 * (r.ppl / f - 1.0)))
             .unwrap_or_else(|| "-".into());
-        println!("| {k} | {r} | {b} | {p:.3} | {rel} | {tps:.1} |");
+        println!(
+            "| {} | {} | {} | {:.3} | {rel} | {} | {:.1} |",
+            r.kind, r.window, r.beta, r.ppl, r.selected, r.tps
+        );
     }
     Ok(())
 }
@@ -485,26 +628,7 @@ fn main() {
         }
     }
     let r = match &cli.cmd {
-        Cmd::Ppl {
-            text,
-            from,
-            tokens,
-            context,
-            chunk,
-            attn,
-            window_ratio,
-            beta,
-        } => cmd_ppl(
-            &cli,
-            text,
-            from,
-            *tokens,
-            *context,
-            *chunk,
-            attn,
-            window_ratio,
-            beta,
-        ),
+        Cmd::Ppl(a) => cmd_ppl(&cli, a),
         Cmd::Speed {
             text,
             context,

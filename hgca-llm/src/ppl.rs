@@ -18,6 +18,12 @@ pub struct PplOptions {
     /// Tokens per forward call inside a segment (chunked prefill through
     /// the attention layers; 1 = token-by-token decoding).
     pub chunk: usize,
+    /// Tokens `0..score_from` of each segment are context only (prefilled,
+    /// not scored); the predictions of tokens `score_from.max(1)..` are scored.
+    pub score_from: usize,
+    /// Feed the scored part one token per forward call (decode steps, where
+    /// a hybrid layer selects), instead of chunks of `chunk`.
+    pub decode: bool,
 }
 
 impl Default for PplOptions {
@@ -25,6 +31,8 @@ impl Default for PplOptions {
         Self {
             context: 4096,
             chunk: 512,
+            score_from: 0,
+            decode: false,
         }
     }
 }
@@ -61,8 +69,8 @@ impl PplReport {
 /// context (causal). `progress(done_tokens)` is called after each chunk.
 ///
 /// # Errors
-/// [`Error::Invalid`] for `context < 2`, `chunk == 0` or fewer than 2
-/// tokens; model errors otherwise.
+/// [`Error::Invalid`] for `context < 2`, `chunk == 0`, fewer than 2
+/// tokens or `score_from` leaving nothing to score; model errors otherwise.
 pub fn perplexity<F>(
     weights: &Arc<LlamaWeights>,
     tokens: &[u32],
@@ -87,16 +95,49 @@ where
     } else {
         tokens.chunks_exact(opts.context).collect()
     };
+    let seg_len = segs[0].len();
+    if opts.score_from + 1 >= seg_len {
+        return Err(Error::invalid(
+            "score_from",
+            format!(
+                "{} leaves nothing to score in segments of {seg_len}",
+                opts.score_from
+            ),
+        ));
+    }
     let vocab = weights.config().vocab_size;
     let (mut nll, mut scored, mut done) = (0.0f64, 0usize, 0usize);
     let mut elapsed = Duration::ZERO;
     for seg in &segs {
         let mut llm = Llama::new(Arc::clone(weights), &mut attention)?;
-        for (ci, chunk) in seg.chunks(opts.chunk).enumerate() {
+        // Pieces: the context part in chunks, the scored part in chunks or single tokens.
+        let first = opts.score_from.saturating_sub(1);
+        let mut pieces: Vec<(usize, usize)> = Vec::new();
+        let mut at = 0;
+        while at < first {
+            let m = opts.chunk.min(first - at);
+            pieces.push((at, m));
+            at += m;
+        }
+        let step = if opts.decode { 1 } else { opts.chunk };
+        while at < seg.len() {
+            let m = step.min(seg.len() - at);
+            pieces.push((at, m));
+            at += m;
+        }
+        for (base, m) in pieces {
+            let chunk = &seg[base..base + m];
             let t0 = Instant::now();
-            let logits = llm.forward(chunk, Logits::All)?;
-            let base = ci * opts.chunk;
+            let want = if base + m <= first {
+                Logits::None
+            } else {
+                Logits::All
+            };
+            let logits = llm.forward(chunk, want)?;
             for (i, row) in logits.chunks_exact(vocab).enumerate() {
+                if base + i < first {
+                    continue;
+                }
                 if let Some(&target) = seg.get(base + i + 1) {
                     let lp = log_prob(row, target as usize)
                         .ok_or_else(|| Error::invalid("tokens", "target outside vocabulary"))?;

@@ -1,0 +1,291 @@
+//! The whole pipeline on a tiny random GGUF written by the test: loading,
+//! tokenizer round trips, forward pass, prefill vs decode agreement, errors.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use hgca_llm::synth::{SynthSpec, write_tiny_llama};
+use hgca_llm::{
+    Error, GgufFile, GgufTokenizer, Llama, LlamaConfig, LlamaWeights, Logits, PplOptions,
+    WeightFormat, perplexity,
+};
+
+fn tiny(dir: &Path, spec: &SynthSpec) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    write_tiny_llama(&path, spec).expect("write tiny gguf");
+    path
+}
+
+fn weights(path: &Path, format: WeightFormat) -> Arc<LlamaWeights> {
+    Arc::new(LlamaWeights::from_path(path, format).expect("load"))
+}
+
+#[test]
+fn loads_config_and_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SynthSpec::default();
+    let f = GgufFile::open(tiny(dir.path(), &spec)).unwrap();
+    let c = LlamaConfig::from_gguf(&f).unwrap();
+    assert_eq!((c.dim, c.n_heads, c.n_kv_heads, c.head_dim), (64, 4, 2, 16));
+    assert_eq!((c.n_layers, c.ffn_dim), (2, 128));
+    assert_eq!(c.vocab_size, 3 + 256 + hgca_llm::synth::MERGES.len());
+    let tok = GgufTokenizer::from_gguf(&f).unwrap();
+    assert_eq!(tok.vocab_size(), c.vocab_size);
+    assert_eq!((tok.bos(), tok.eos()), (Some(1), Some(2)));
+}
+
+#[test]
+fn tokenizer_round_trips_and_splits() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = GgufFile::open(tiny(dir.path(), &SynthSpec::default())).unwrap();
+    let tok = GgufTokenizer::from_gguf(&f).unwrap();
+    for text in [
+        "",
+        "the theme and the ring",
+        "Hello, World!  Two  spaces\nnew line\ttab",
+        "digits 2024 and 3.14159",
+        "unicode: café, naïve, 日本語, emoji 🦀",
+        "<|im_start|>user\nhi<|im_end|>",
+        " leading space",
+    ] {
+        let ids = tok.encode(text, true).unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), text, "round trip of {text:?}");
+    }
+    // Merges apply: " the" is one token, "and" after a space too.
+    let the = tok.token_to_id("Ġthe").unwrap();
+    let and = tok.token_to_id("Ġand").unwrap();
+    assert_eq!(tok.encode("a the and", false).unwrap()[1..], [the, and]);
+    // The smollm pre-tokenizer splits digits one by one.
+    let ids = tok.encode("2024", false).unwrap();
+    assert_eq!(ids.len(), 4);
+    // Special tokens are matched whole.
+    assert_eq!(tok.encode("<|im_start|>", false).unwrap(), vec![1]);
+    // Bad ids are a typed error, not a panic.
+    assert!(matches!(
+        tok.decode(&[10_000]),
+        Err(Error::TokenId { id: 10_000, .. })
+    ));
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = a.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn prefill_equals_decode_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(dir.path(), &SynthSpec::default());
+    let w = weights(&path, WeightFormat::F32);
+    let vocab = w.config().vocab_size;
+    let ids: Vec<u32> = (0..37u32).map(|i| (i * 7 + 3) % vocab as u32).collect();
+
+    let mut a = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let all = a.forward(&ids, Logits::All).unwrap();
+    assert_eq!(all.len(), ids.len() * vocab);
+    assert!(all.iter().all(|x| x.is_finite()));
+    assert_eq!(a.position(), ids.len());
+
+    // n decode steps.
+    let mut b = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let mut steps = Vec::new();
+    for &t in &ids {
+        steps.extend(b.forward(&[t], Logits::Last).unwrap());
+    }
+    let d = max_rel_diff(&all, &steps);
+    assert!(d < 1e-4, "prefill vs decode: max rel diff {d}");
+
+    // Uneven chunks.
+    let mut c = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let mut chunked = Vec::new();
+    for ch in [&ids[..5], &ids[5..6], &ids[6..30], &ids[30..]] {
+        chunked.extend(c.forward(ch, Logits::All).unwrap());
+    }
+    let d = max_rel_diff(&all, &chunked);
+    assert!(d < 1e-4, "prefill vs chunks: max rel diff {d}");
+
+    // The logits depend on the context (attention is not a no-op).
+    let mut e = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let last_alone = e.forward(&ids[36..], Logits::Last).unwrap();
+    assert!(max_rel_diff(&all[36 * vocab..], &last_alone) > 1e-3);
+}
+
+#[test]
+fn weight_formats_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(dir.path(), &SynthSpec::default());
+    let ids: Vec<u32> = (0..20u32).map(|i| (i * 13 + 5) % 250).collect();
+    let reference = {
+        let mut m = Llama::with_full_attention::<f32>(weights(&path, WeightFormat::F32)).unwrap();
+        m.forward(&ids, Logits::All).unwrap()
+    };
+    for (format, tol) in [
+        (WeightFormat::Q8, 0.05),
+        (WeightFormat::Auto, 0.05),
+        (WeightFormat::Quantized, 0.1),
+    ] {
+        let mut m = Llama::with_full_attention::<f32>(weights(&path, format)).unwrap();
+        let mut got = m.forward(&ids[..18], Logits::All).unwrap();
+        for &t in &ids[18..] {
+            got.extend(m.forward(&[t], Logits::Last).unwrap());
+        }
+        let d = max_rel_diff(&reference, &got);
+        assert!(d < tol, "{format:?}: max rel diff {d}");
+    }
+}
+
+#[test]
+fn kv_half_types_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
+    let ids = [5u32, 9, 100, 200, 42];
+    let mut a = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let mut b = Llama::with_full_attention::<hgca_kernels::f16>(Arc::clone(&w)).unwrap();
+    let mut c = Llama::with_full_attention::<hgca_kernels::bf16>(Arc::clone(&w)).unwrap();
+    let la = a.forward(&ids, Logits::All).unwrap();
+    let lb = b.forward(&ids, Logits::All).unwrap();
+    let lc = c.forward(&ids, Logits::All).unwrap();
+    assert!(max_rel_diff(&la, &lb) < 1e-2);
+    assert!(max_rel_diff(&la, &lc) < 5e-2);
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = tiny(dir.path(), &SynthSpec::default());
+    let w = weights(&path, WeightFormat::F32);
+    let mut m = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    assert!(matches!(
+        m.forward(&[1, 99_999], Logits::All),
+        Err(Error::TokenId { id: 99_999, .. })
+    ));
+    assert_eq!(m.position(), 0, "a rejected call changes nothing");
+    assert!(m.forward(&[], Logits::Last).unwrap().is_empty());
+    assert_eq!(
+        m.forward(&[3, 4], Logits::Last).unwrap().len(),
+        w.config().vocab_size
+    );
+    assert!(m.forward(&[3], Logits::None).unwrap().is_empty());
+
+    // Missing, empty, garbage and truncated files.
+    assert!(matches!(
+        LlamaWeights::from_path(dir.path().join("nope.gguf"), WeightFormat::F32),
+        Err(Error::Io { .. })
+    ));
+    let empty = dir.path().join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    assert!(GgufFile::open(&empty).is_err());
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff").unwrap();
+    assert!(GgufFile::open(&junk).is_err());
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(LlamaWeights::from_path(&cut, WeightFormat::F32).is_err());
+
+    // Perplexity parameters.
+    let ids = [5u32, 6, 7, 8];
+    let f = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
+        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
+            s,
+            hgca_cpu::CpuBackend::new(),
+        )?))
+    };
+    let bad = PplOptions {
+        context: 1,
+        chunk: 1,
+        ..PplOptions::default()
+    };
+    assert!(matches!(
+        perplexity(&w, &ids, bad, f, |_| {}),
+        Err(Error::Invalid { .. })
+    ));
+    let bad = PplOptions {
+        context: 4,
+        chunk: 0,
+        ..PplOptions::default()
+    };
+    assert!(perplexity(&w, &ids, bad, f, |_| {}).is_err());
+    assert!(perplexity(&w, &ids[..1], PplOptions::default(), f, |_| {}).is_err());
+}
+
+#[test]
+fn perplexity_segments_and_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
+    let ids: Vec<u32> = (0..64u32).map(|i| (i * 31 + 7) % 250).collect();
+    let f = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
+        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
+            s,
+            hgca_cpu::CpuBackend::new(),
+        )?))
+    };
+    let whole = perplexity(
+        &w,
+        &ids,
+        PplOptions {
+            context: 32,
+            chunk: 32,
+            ..PplOptions::default()
+        },
+        f,
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!((whole.segments, whole.scored, whole.tokens), (2, 62, 64));
+    assert!(whole.ppl.is_finite() && whole.ppl > 1.0);
+    // Chunked prefill and token-by-token decoding give the same perplexity.
+    let chunked = perplexity(
+        &w,
+        &ids,
+        PplOptions {
+            context: 32,
+            chunk: 7,
+            ..PplOptions::default()
+        },
+        f,
+        |_| {},
+    )
+    .unwrap();
+    let decoded = perplexity(
+        &w,
+        &ids,
+        PplOptions {
+            context: 32,
+            chunk: 1,
+            ..PplOptions::default()
+        },
+        f,
+        |_| {},
+    )
+    .unwrap();
+    assert!((whole.ppl / chunked.ppl - 1.0).abs() < 1e-5);
+    assert!((whole.ppl / decoded.ppl - 1.0).abs() < 1e-5);
+    // Context-only prefix, then decode steps: the scored tokens are the last 32 - 20 of each segment.
+    let opts = PplOptions {
+        context: 32,
+        chunk: 8,
+        score_from: 20,
+        decode: true,
+    };
+    let tail = perplexity(&w, &ids, opts, f, |_| {}).unwrap();
+    assert_eq!(tail.scored, 2 * 12);
+    let opts = PplOptions {
+        context: 32,
+        chunk: 32,
+        score_from: 20,
+        decode: false,
+    };
+    let tail2 = perplexity(&w, &ids, opts, f, |_| {}).unwrap();
+    assert!((tail.ppl / tail2.ppl - 1.0).abs() < 1e-5);
+    let opts = PplOptions {
+        context: 32,
+        chunk: 8,
+        score_from: 31,
+        decode: true,
+    };
+    assert!(perplexity(&w, &ids, opts, f, |_| {}).is_err());
+    // A random model is near-uniform: perplexity of the order of the vocabulary.
+    assert!(whole.ppl < 10.0 * w.config().vocab_size as f64);
+}
