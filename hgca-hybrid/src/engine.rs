@@ -55,7 +55,8 @@ pub struct HybridConfig {
 
 impl Default for HybridConfig {
     /// Window 1024 tokens, blocks of 64, 4 sinks, beta 1.0, alpha 0.9,
-    /// exact re-scoring every 16 steps, f16 KV.
+    /// block-bound recovery of the top 32 blocks per step (it measured
+    /// better than periodic re-scoring under attention shifts), f16 KV.
     fn default() -> Self {
         Self {
             window: 1024,
@@ -64,7 +65,7 @@ impl Default for HybridConfig {
             beta: 1.0,
             beta_per_head: None,
             alpha: 0.9,
-            recovery: Recovery::Rescore { every: 16 },
+            recovery: Recovery::BlockBounds { top: 32 },
             dtype: DType::F16,
         }
     }
@@ -450,8 +451,16 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         merge_into(merged.as_mut(), cpu_part.as_ref())?;
         out.copy_from_slice(merged.out());
         self.last_lse.copy_from_slice(merged.lse());
-        // 4. MAW from weights normalised over the union, mean over each query group.
-        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+        // 4. MAW from weights normalised over the union, mean over each query
+        // group. A re-score step observes every entry exactly: like the
+        // re-evaluation on append, it resets the MAW to the current weights.
+        if full {
+            let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
+            self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+            self.alpha = alpha;
+        } else {
+            self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+        }
         self.steps += 1;
         self.stats = StepStats {
             window_tokens: n_win,
@@ -521,6 +530,63 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         }
     }
 
+    /// Re-evaluates the MAW of every entry (window and CPU) from the exact
+    /// weights of one query `[q_heads, d]`: the paper's re-evaluation on append.
+    fn refresh_maw(&mut self, q_last: &[f32]) -> Result<()> {
+        let s = self.shape;
+        let layout = PartialLayout::decode(&s);
+        let pending = self.dense.submit_decode(&self.window, q_last, true)?;
+        let mut cpu_part = Partial::empty(layout);
+        let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
+        self.cpu
+            .dense_decode(&s, q_last, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
+        let mut gpu_part = Partial::empty(layout);
+        let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
+        self.dense
+            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
+        let mut merged = gpu_part.clone();
+        merge_into(merged.as_mut(), cpu_part.as_ref())?;
+        self.last_lse.copy_from_slice(merged.lse());
+        self.sel = Selection::all(s.kv_heads(), self.store.tokens());
+        // alpha = 0 for this refresh: the MAW becomes the exact current weight.
+        let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
+        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
+        self.alpha = alpha;
+        Ok(())
+    }
+
+    /// Appends `n` tokens (token-major K and V) whose attention outputs are
+    /// not needed, as for a context prefilled elsewhere, then re-evaluates
+    /// every entry's MAW against `probe` (one query, `[q_heads, d]`).
+    ///
+    /// # Errors
+    /// [`Error::Length`] for lengths that do not fit; backend errors.
+    pub fn extend(&mut self, k: &[f32], v: &[f32], n: usize, probe: &[f32]) -> Result<()> {
+        let s = self.shape;
+        let kl = s.kv_token_len();
+        check_len("k", n * kl, k.len())?;
+        check_len("v", n * kl, v.len())?;
+        check_len("probe", s.q_len(), probe.len())?;
+        let mut done = 0;
+        while done < n {
+            if self.window.free() == 0 {
+                self.evict_block()?;
+            }
+            let m = (n - done).min(self.window.free());
+            self.push_window(
+                &k[done * kl..(done + m) * kl],
+                &v[done * kl..(done + m) * kl],
+                m,
+                0.0,
+            )?;
+            done += m;
+        }
+        if self.len() > 0 {
+            self.refresh_maw(probe)?;
+        }
+        Ok(())
+    }
+
     /// A prompt chunk: pieces of at most a window; each piece's queries
     /// attend densely to the window (causal) and to the whole CPU store (all
     /// older), merged; then the MAW of every entry is re-evaluated from the
@@ -570,26 +636,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             out[done * ql..(done + m) * ql].copy_from_slice(part.out());
             done += m;
         }
-        // Re-evaluate every entry's MAW against the chunk's last query.
-        let q_last = &q[(n - 1) * ql..n * ql];
-        let layout = PartialLayout::decode(&s);
-        let pending = self.dense.submit_decode(&self.window, q_last, true)?;
-        let mut cpu_part = Partial::empty(layout);
-        let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
-        self.cpu
-            .dense_decode(&s, q_last, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
-        let mut gpu_part = Partial::empty(layout);
-        let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
-        self.dense
-            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
-        let mut merged = gpu_part.clone();
-        merge_into(merged.as_mut(), cpu_part.as_ref())?;
-        self.last_lse.copy_from_slice(merged.lse());
-        self.sel = Selection::all(s.kv_heads(), self.store.tokens());
-        // alpha = 0 for this refresh: the MAW becomes the exact current weight.
-        let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
-        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
-        self.alpha = alpha;
+        self.refresh_maw(&q[(n - 1) * ql..n * ql])?;
         self.stats = StepStats {
             window_tokens: self.window.len(),
             cpu_tokens: self.store.tokens(),

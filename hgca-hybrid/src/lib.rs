@@ -10,6 +10,7 @@
 
 mod engine;
 mod full;
+pub mod synthetic;
 
 pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
 pub use full::FullAttention;

@@ -1,0 +1,463 @@
+//! hgca's demo.
+//!
+//! ```text
+//! hgca-demo [hybrid] [--context N] [--window-ratio R] [--block B] [--beta X]
+//!                    [--steps S] [--recovery frozen|rescore:R|bounds:K] [--shift]
+//!                    [--backend auto|cpu|wgpu|cuda] [--json]
+//! hgca-demo harness  [--context N] [--steps S]        rules x workloads table
+//! hgca-demo sweep    [--context N] [--steps S] [--out FILE.svg]
+//! ```
+//!
+//! `hybrid` runs a long-context decode (synthetic context with sinks,
+//! topics, needles) on the best backend the machine has: CUDA, else a wgpu
+//! GPU adapter, else the CPU in both roles; it prints accuracy against full
+//! attention and the time per step split into dense / sparse / merge.
+
+use std::time::Duration;
+
+use hgca_cpu::CpuBackend;
+use hgca_hybrid::synthetic::{Harness, StepAccuracy, Synth, SynthSpec};
+use hgca_hybrid::{HybridAttention, HybridConfig, Recovery};
+use hgca_kernels::{AttnShape, DType, DenseAttention, Error, Result, f16};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Debug, Clone)]
+struct Args {
+    cmd: String,
+    context: usize,
+    window_ratio: f64,
+    block: usize,
+    beta: f32,
+    steps: usize,
+    recovery: Recovery,
+    shift: bool,
+    backend: String,
+    json: bool,
+    out: String,
+}
+
+fn parse() -> std::result::Result<Args, String> {
+    let mut a = Args {
+        cmd: "hybrid".into(),
+        context: 128 << 10,
+        window_ratio: 0.25,
+        block: 64,
+        beta: 1.0,
+        steps: 48,
+        recovery: Recovery::BlockBounds { top: 32 },
+        shift: false,
+        backend: "auto".into(),
+        json: false,
+        out: "target/hgca-sweep.svg".into(),
+    };
+    let mut it = std::env::args().skip(1).peekable();
+    if let Some(c) = it.peek().filter(|c| !c.starts_with("--")).cloned() {
+        a.cmd = c;
+        it.next();
+    }
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().ok_or(format!("{flag} needs a value"));
+        let num = |s: String| s.parse::<f64>().map_err(|e| format!("{flag}: {e}"));
+        match flag.as_str() {
+            "--context" => a.context = num(val()?)? as usize,
+            "--window-ratio" => a.window_ratio = num(val()?)?,
+            "--block" => a.block = num(val()?)? as usize,
+            "--beta" => a.beta = num(val()?)? as f32,
+            "--steps" => a.steps = num(val()?)? as usize,
+            "--backend" => a.backend = val()?,
+            "--out" => a.out = val()?,
+            "--json" => a.json = true,
+            "--shift" => a.shift = true,
+            "--recovery" => a.recovery = parse_recovery(&val()?)?,
+            "-h" | "--help" => return Err(include_str!("usage.txt").into()),
+            other => {
+                return Err(format!(
+                    "unknown option {other}\n{}",
+                    include_str!("usage.txt")
+                ));
+            }
+        }
+    }
+    Ok(a)
+}
+
+fn parse_recovery(s: &str) -> std::result::Result<Recovery, String> {
+    let (kind, n) = s.split_once(':').unwrap_or((s, ""));
+    let n = || {
+        n.parse::<usize>()
+            .map_err(|e| format!("--recovery {s}: {e}"))
+    };
+    match kind {
+        "frozen" | "paper" => Ok(Recovery::Frozen),
+        "rescore" => Ok(Recovery::Rescore { every: n()? }),
+        "bounds" => Ok(Recovery::BlockBounds { top: n()? }),
+        _ => Err(format!(
+            "--recovery {s}: expected frozen, rescore:R or bounds:K"
+        )),
+    }
+}
+
+fn shape() -> AttnShape {
+    AttnShape::new(32, 8, 128).expect("a valid shape")
+}
+
+fn config(a: &Args, recovery: Recovery, window_ratio: f64, beta: f32) -> HybridConfig {
+    let window = ((a.context as f64 * window_ratio) as usize / a.block).max(1) * a.block;
+    HybridConfig {
+        window,
+        block: a.block,
+        sinks: 4,
+        beta,
+        recovery,
+        dtype: DType::F16,
+        ..HybridConfig::default()
+    }
+}
+
+fn spec(a: &Args) -> SynthSpec {
+    SynthSpec {
+        shift_at: a.shift.then_some(a.steps / 4),
+        ..SynthSpec::default()
+    }
+}
+
+/// Results of one run.
+#[derive(Debug, Default, Clone)]
+struct Summary {
+    backend: String,
+    acc: Vec<StepAccuracy>,
+    dense: Duration,
+    sparse: Duration,
+    merge: Duration,
+    total: Duration,
+    full: Duration,
+    window: usize,
+    cpu_tokens: usize,
+}
+
+impl Summary {
+    fn mean(&self, f: impl Fn(&StepAccuracy) -> f64) -> f64 {
+        self.acc.iter().map(f).sum::<f64>() / self.acc.len().max(1) as f64
+    }
+    fn min_recall(&self) -> f64 {
+        self.acc.iter().map(|a| a.recall).fold(1.0, f64::min)
+    }
+}
+
+fn run<D: DenseAttention>(
+    dense: D,
+    name: String,
+    a: &Args,
+    cfg: HybridConfig,
+    quiet: bool,
+) -> Result<Summary> {
+    let cpu = CpuBackend::new();
+    let layer =
+        HybridAttention::<D, CpuBackend, f16>::new(shape(), cfg.clone(), dense, cpu.clone())?;
+    let bar = if quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new((a.context + a.steps) as u64)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} tokens {elapsed}")
+            .expect("a valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message("context");
+    let mut h = Harness::new(layer, Synth::new(shape(), spec(a), 7), a.context, cpu)?;
+    bar.set_position(a.context as u64);
+    bar.set_message("decode");
+    let mut s = Summary {
+        backend: name,
+        window: cfg.window,
+        ..Summary::default()
+    };
+    for _ in 0..a.steps {
+        s.acc.push(h.step()?);
+        let st = h.layer.stats();
+        s.dense += st.dense;
+        s.sparse += st.sparse;
+        s.merge += st.merge;
+        s.total += st.total;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    s.cpu_tokens = h.layer.cpu_tokens();
+    let reps = 3;
+    let mut best = Duration::MAX;
+    for _ in 0..reps {
+        best = best.min(h.time_full_decode()?);
+    }
+    s.full = best;
+    Ok(s)
+}
+
+/// Runs on the backend asked for (or the best found).
+fn run_best(a: &Args, cfg: HybridConfig, quiet: bool) -> Result<Summary> {
+    let want = a.backend.as_str();
+    if want == "cuda" || want == "auto" {
+        match hgca_gpu::cuda::CudaBackend::new() {
+            Ok(b) => {
+                let name = b.name();
+                return run(b, name, a, cfg, quiet);
+            }
+            Err(e) if want == "cuda" => return Err(e),
+            Err(e) if !quiet => eprintln!("CUDA: {e}"),
+            Err(_) => {}
+        }
+    }
+    if want == "wgpu" || want == "auto" {
+        match hgca_gpu::wgpu::WgpuBackend::new() {
+            Ok(b) if want == "wgpu" || b.adapter_info().device_type != "Cpu" => {
+                let name = b.name();
+                return run(b, name, a, cfg, quiet);
+            }
+            Ok(b) if !quiet => eprintln!(
+                "wgpu: adapter \"{}\" is a software (CPU) driver: the CPU backend is faster, using it",
+                b.adapter_info().name
+            ),
+            Err(e) if want == "wgpu" => return Err(e),
+            Err(e) if !quiet => eprintln!("wgpu: {e}"),
+            _ => {}
+        }
+    }
+    let cpu = CpuBackend::new();
+    let name = cpu.name();
+    run(cpu, name, a, cfg, quiet)
+}
+
+fn ms(d: Duration, steps: usize) -> f64 {
+    d.as_secs_f64() * 1e3 / steps.max(1) as f64
+}
+
+fn hybrid(a: &Args) -> Result<()> {
+    let cfg = config(a, a.recovery, a.window_ratio, a.beta);
+    if !a.json {
+        println!(
+            "hgca hybrid decode: q_heads 32, kv_heads 8, d 128, f16 KV; context {} tokens, window {} ({}), block {}, beta {}, recovery {:?}{}",
+            a.context,
+            cfg.window,
+            a.window_ratio,
+            cfg.block,
+            cfg.beta,
+            cfg.recovery,
+            if a.shift { ", attention shift" } else { "" }
+        );
+    }
+    let s = run_best(a, cfg.clone(), a.json)?;
+    let steps = s.acc.len();
+    let (dense, sparse, merge, total) = (
+        ms(s.dense, steps),
+        ms(s.sparse, steps),
+        ms(s.merge, steps),
+        ms(s.total, steps),
+    );
+    let overlap = 1.0 - total / (dense + sparse + merge).max(1e-12);
+    let full = s.full.as_secs_f64() * 1e3;
+    if a.json {
+        println!(
+            "{{\"backend\":\"{}\",\"isa\":\"{}\",\"context\":{},\"window\":{},\"block\":{},\"beta\":{},\"steps\":{steps},\"selected_fraction\":{:.5},\"rel_err_mean\":{:.3e},\"rel_err_max\":{:.3e},\"recall_mean\":{:.5},\"recall_min\":{:.5},\"ms_dense\":{dense:.3},\"ms_sparse\":{sparse:.3},\"ms_merge\":{merge:.3},\"ms_step\":{total:.3},\"ms_full_dense_cpu\":{full:.3},\"speedup_vs_full\":{:.2},\"overlap\":{overlap:.3}}}",
+            s.backend,
+            hgca_cpu::Isa::detect(),
+            a.context,
+            cfg.window,
+            cfg.block,
+            cfg.beta,
+            s.mean(|x| x.selected),
+            s.mean(|x| x.rel_err),
+            s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
+            s.mean(|x| x.recall),
+            s.min_recall(),
+            full / total
+        );
+        return Ok(());
+    }
+    println!(
+        "  backend: {} (CPU ISA {}, {} threads)",
+        s.backend,
+        hgca_cpu::Isa::detect(),
+        CpuBackend::new().threads()
+    );
+    println!(
+        "  tokens: {} in the window, {} in the CPU store",
+        s.window, s.cpu_tokens
+    );
+    println!(
+        "  selected: {:.2}% of the CPU entries (mean over {steps} steps)",
+        100.0 * s.mean(|x| x.selected)
+    );
+    println!(
+        "  accuracy vs full attention: relative error mean {:.2e}, max {:.2e}; attention-mass recall mean {:.4}%, min {:.4}%",
+        s.mean(|x| x.rel_err),
+        s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
+        100.0 * s.mean(|x| x.recall),
+        100.0 * s.min_recall()
+    );
+    println!(
+        "  time per step: {total:.2} ms = dense {dense:.2} + sparse {sparse:.2} + merge/MAW {merge:.2}; overlap {:.0}%",
+        100.0 * overlap.max(0.0)
+    );
+    println!(
+        "  dense CPU attention over all {} tokens: {full:.2} ms per step -> hybrid is {:.2}x faster",
+        s.cpu_tokens + s.window,
+        full / total
+    );
+    Ok(())
+}
+
+fn harness(a: &Args) -> Result<()> {
+    println!(
+        "accuracy harness: context {}, window ratio {}, {} decode steps, beta {}",
+        a.context, a.window_ratio, a.steps, a.beta
+    );
+    println!(
+        "{:<8} {:<22} {:>10} {:>12} {:>12} {:>10}",
+        "workload", "rule", "selected", "recall mean", "recall min", "rel err"
+    );
+    for shift in [false, true] {
+        for rec in [
+            Recovery::Frozen,
+            Recovery::Rescore { every: 16 },
+            Recovery::BlockBounds { top: 32 },
+        ] {
+            let b = Args { shift, ..a.clone() };
+            let s = run_best(
+                &Args {
+                    backend: "cpu".into(),
+                    ..b.clone()
+                },
+                config(&b, rec, a.window_ratio, a.beta),
+                true,
+            )?;
+            println!(
+                "{:<8} {:<22} {:>9.2}% {:>11.3}% {:>11.3}% {:>10.2e}",
+                if shift { "shift" } else { "steady" },
+                format!("{rec:?}"),
+                100.0 * s.mean(|x| x.selected),
+                100.0 * s.mean(|x| x.recall),
+                100.0 * s.min_recall(),
+                s.mean(|x| x.rel_err)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn sweep(a: &Args) -> Result<()> {
+    use plotters::prelude::*;
+    let betas = [0.0625f32, 0.25, 1.0, 4.0, 16.0];
+    let ratios = [0.125, 0.25, 0.5];
+    println!(
+        "sweep: context {}, {} steps, recovery {:?}",
+        a.context, a.steps, a.recovery
+    );
+    println!(
+        "{:>6} {:>8} {:>10} {:>12} {:>10}",
+        "ratio", "beta", "selected", "recall", "rel err"
+    );
+    let mut series: Vec<(f64, Vec<(f64, f64)>)> = Vec::new();
+    for &r in &ratios {
+        let mut pts = Vec::new();
+        for &b in &betas {
+            let s = run_best(
+                &Args {
+                    backend: "cpu".into(),
+                    ..a.clone()
+                },
+                config(a, a.recovery, r, b),
+                true,
+            )?;
+            let (sel, rec, err) = (
+                s.mean(|x| x.selected),
+                s.mean(|x| x.recall),
+                s.mean(|x| x.rel_err),
+            );
+            println!(
+                "{r:>6} {b:>8} {:>9.2}% {:>11.3}% {err:>10.2e}",
+                100.0 * sel,
+                100.0 * rec
+            );
+            pts.push((100.0 * sel, 100.0 * rec));
+        }
+        series.push((r, pts));
+    }
+    let root = SVGBackend::new(&a.out, (800, 500)).into_drawing_area();
+    let err = |e: String| Error::Backend {
+        backend: "plotters",
+        message: e,
+    };
+    root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
+    let ymin = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.1))
+        .fold(100.0, f64::min)
+        .floor()
+        .min(99.0);
+    let xmax = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .fold(1.0, f64::max);
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "hgca: attention-mass recall vs CPU entries selected",
+            ("sans-serif", 22),
+        )
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0.0..xmax * 1.1, ymin..100.05)
+        .map_err(|e| err(e.to_string()))?;
+    chart
+        .configure_mesh()
+        .x_desc("selected CPU entries (%)")
+        .y_desc("recall of the attention mass (%)")
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    for (i, (r, pts)) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(2)))
+            .map_err(|e| err(e.to_string()))?
+            .label(format!("window ratio {r}"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        chart
+            .draw_series(pts.iter().map(|&p| Circle::new(p, 4, color.filled())))
+            .map_err(|e| err(e.to_string()))?;
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(e.to_string()))?;
+    root.present().map_err(|e| err(e.to_string()))?;
+    println!(
+        "plot written to {} (points: beta {betas:?}, left to right as beta falls)",
+        a.out
+    );
+    Ok(())
+}
+
+fn main() {
+    let a = match parse() {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{msg}");
+            std::process::exit(2);
+        }
+    };
+    let r = match a.cmd.as_str() {
+        "hybrid" => hybrid(&a),
+        "harness" => harness(&a),
+        "sweep" => sweep(&a),
+        other => {
+            eprintln!("unknown command {other}\n{}", include_str!("usage.txt"));
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
