@@ -233,14 +233,14 @@ impl LlamaConfig {
                 return Err(Error::meta(key, "must be at least 1"));
             }
         }
-        if dim % n_heads != 0 || n_heads % n_kv_heads != 0 {
+        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(Error::meta(
                 "llama.attention.head_count",
                 format!("{n_heads} heads / {n_kv_heads} KV heads do not divide width {dim}"),
             ));
         }
         let head_dim = dim / n_heads;
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(Error::meta(
                 "llama.embedding_length",
                 format!("head dimension {head_dim} must be even for RoPE"),

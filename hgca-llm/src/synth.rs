@@ -108,15 +108,15 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
     let s = spec;
     if s.n_heads == 0
         || s.n_kv_heads == 0
-        || s.dim % s.n_heads != 0
-        || s.n_heads % s.n_kv_heads != 0
+        || !s.dim.is_multiple_of(s.n_heads)
+        || !s.n_heads.is_multiple_of(s.n_kv_heads)
     {
         return Err(Error::invalid(
             "spec",
             "heads must divide the width and each other",
         ));
     }
-    if s.quantized && (s.dim % 32 != 0 || s.ffn_dim % 32 != 0) {
+    if s.quantized && (!s.dim.is_multiple_of(32) || !s.ffn_dim.is_multiple_of(32)) {
         return Err(Error::invalid(
             "spec",
             "quantized widths must be multiples of 32",
