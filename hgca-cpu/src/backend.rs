@@ -482,6 +482,66 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Upper bounds of the scores of key blocks (Quest): `bounds` holds, per
+    /// block, the elementwise minimum then maximum of its keys (`[blocks, 2, d]`);
+    /// for query row `h` of `q` (`[heads, d]`), `out[b * heads + h] =
+    /// Σ_i max(q_i lo_i, q_i hi_i)`, which no key of block `b` can exceed
+    /// in `q·k`.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when the slices do not fit `heads`, `d` and the block count.
+    pub fn block_upper_bounds(
+        &self,
+        q: &[f32],
+        heads: usize,
+        d: usize,
+        bounds: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        check_len("q", heads * d, q.len())?;
+        if d == 0 || bounds.len() % (2 * d) != 0 {
+            return Err(Error::Length {
+                what: "bounds (a multiple of 2 * d)",
+                expected: (bounds.len() / (2 * d).max(1)) * 2 * d,
+                found: bounds.len(),
+            });
+        }
+        let nb = bounds.len() / (2 * d);
+        check_len("out", nb * heads, out.len())?;
+        dispatch!(self.isa, s => bounds_simd(s, q, heads, d, bounds, out));
+        Ok(())
+    }
+}
+
+#[inline(always)]
+fn bounds_simd<S: Simd>(s: S, q: &[f32], heads: usize, d: usize, bounds: &[f32], out: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    let full = d - d % lanes;
+    for (b, blk) in bounds.chunks_exact(2 * d).enumerate() {
+        let (lo, hi) = blk.split_at(d);
+        for h in 0..heads {
+            let qh = &q[h * d..(h + 1) * d];
+            let mut acc = s.splat_f32s(0.0);
+            let mut c = 0;
+            while c < full {
+                let x = load(s, &qh[c..]);
+                let m = s.max_f32s(
+                    s.mul_f32s(x, load(s, &lo[c..])),
+                    s.mul_f32s(x, load(s, &hi[c..])),
+                );
+                acc = s.add_f32s(acc, m);
+                c += lanes;
+            }
+            let mut t = s.reduce_sum_f32s(acc);
+            for i in full..d {
+                t += (qh[i] * lo[i]).max(qh[i] * hi[i]);
+            }
+            out[b * heads + h] = t;
+        }
+    }
+}
+
 /// `dst[i] = exp(src[i] - shift)`, vectorised.
 fn exp_shifted(isa: Isa, src: &[f32], shift: f32, dst: &mut [f32]) {
     dispatch!(isa, s => exp_shifted_simd(s, src, shift, dst))

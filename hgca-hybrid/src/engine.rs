@@ -192,6 +192,10 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     /// Union lse of the last decode step per query head (reference for block bounds).
     last_lse: Vec<f32>,
     stats: StepStats,
+    /// Scratch of the block-bound ranking.
+    ub: Vec<f32>,
+    ranked: Vec<(f32, u32)>,
+    admitted: Vec<bool>,
     evict_k: Vec<T>,
     evict_v: Vec<T>,
 }
@@ -237,6 +241,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             steps: 0,
             last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
             stats: StepStats::default(),
+            ub: Vec::new(),
+            ranked: Vec::new(),
+            admitted: Vec::new(),
             evict_k: Vec::new(),
             evict_v: Vec::new(),
             cpu: CpuBackend::new(),
@@ -343,7 +350,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
 
     /// The selection of this decode step: the MAW rule, the sinks, and the
     /// recovery rule's admissions.
-    fn select(&mut self, q: &[f32]) {
+    fn select(&mut self, q: &[f32]) -> Result<()> {
         let n_gpu = self.window.len();
         let n = self.store.tokens();
         let (hk, d, group) = (
@@ -353,39 +360,38 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         );
         let bt = self.cfg.block;
         self.sel.clear();
-        let mut admitted: Vec<bool> = Vec::new();
+        let mut admitted = std::mem::take(&mut self.admitted);
         for g in 0..hk {
             admitted.clear();
             if let Recovery::BlockBounds { top } = self.cfg.recovery {
-                // Upper bound of q.k over each block, max over the group's heads.
+                // Upper bound of each block's scores, minus the head's last
+                // lse (a log-weight bound), max over the group's heads.
                 let nb = n.div_ceil(bt);
-                let bnd = &self.bounds[g];
+                let qg = &q[g * group * d..(g + 1) * group * d];
+                self.ub.resize(nb * group, 0.0);
+                self.cpu.block_upper_bounds(
+                    qg,
+                    group,
+                    d,
+                    &self.bounds[g][..nb * 2 * d],
+                    &mut self.ub,
+                )?;
                 let scale = self.shape.scale();
-                let mut ub: Vec<(f32, usize)> = (0..nb)
-                    .map(|b| {
-                        let (lo, hi) = bnd[b * 2 * d..(b + 1) * 2 * d].split_at(d);
-                        let best = (0..group)
-                            .map(|i| {
-                                let qh = &q[(g * group + i) * d..(g * group + i + 1) * d];
-                                let s: f32 = qh
-                                    .iter()
-                                    .zip(lo)
-                                    .zip(hi)
-                                    .map(|((&x, &l), &h)| (x * l).max(x * h))
-                                    .sum();
-                                s * scale - self.last_lse[g * group + i]
-                            })
-                            .fold(f32::NEG_INFINITY, f32::max);
-                        (best, b)
-                    })
-                    .collect();
+                self.ranked.clear();
+                self.ranked.extend((0..nb).map(|b| {
+                    let best = (0..group)
+                        .map(|i| self.ub[b * group + i] * scale - self.last_lse[g * group + i])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    (best, b as u32)
+                }));
                 let top = top.min(nb);
                 if top > 0 && top < nb {
-                    ub.select_nth_unstable_by(top - 1, |a, b| b.0.total_cmp(&a.0));
+                    self.ranked
+                        .select_nth_unstable_by(top - 1, |a, b| b.0.total_cmp(&a.0));
                 }
                 admitted.resize(nb, false);
-                for &(_, b) in &ub[..top] {
-                    admitted[b] = true;
+                for &(_, b) in &self.ranked[..top] {
+                    admitted[b as usize] = true;
                 }
             }
             let t = self.beta.threshold(g, n_gpu);
@@ -399,6 +405,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                     .map(|j| j as u32),
             );
         }
+        self.admitted = admitted;
+        Ok(())
     }
 
     /// Decode: one token whose K/V enter the window, attention over everything.
@@ -427,7 +435,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             self.cpu
                 .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
         } else {
-            self.select(q);
+            self.select(q)?;
             cpu_w = vec![0.0; s.group() * self.sel.total()];
             self.sparse.sparse_decode(
                 &s,

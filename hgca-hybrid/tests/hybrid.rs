@@ -191,21 +191,50 @@ fn recovery_keeps_recall_under_attention_shift() {
     use hgca_hybrid::synthetic::{Harness, Synth, SynthSpec};
     let shape = AttnShape::new(8, 2, 64).unwrap();
     let run = |recovery, shift: bool| {
-        let cfg = HybridConfig { window: 1024, block: 64, recovery, dtype: DType::F16, ..HybridConfig::default() };
+        let cfg = HybridConfig {
+            window: 1024,
+            block: 64,
+            recovery,
+            dtype: DType::F16,
+            ..HybridConfig::default()
+        };
         let cpu = hgca_cpu::CpuBackend::new();
-        let layer = HybridAttention::<_, _, f16>::new(shape, cfg, cpu.clone(), cpu.clone()).unwrap();
-        let spec = SynthSpec { segment: 256, shift_at: shift.then_some(4), ..SynthSpec::default() };
+        let layer =
+            HybridAttention::<_, _, f16>::new(shape, cfg, cpu.clone(), cpu.clone()).unwrap();
+        let spec = SynthSpec {
+            segment: 256,
+            shift_at: shift.then_some(4),
+            ..SynthSpec::default()
+        };
         let mut h = Harness::new(layer, Synth::new(shape, spec, 11), 4096, cpu).unwrap();
         let acc: Vec<_> = (0..24).map(|_| h.step().unwrap()).collect();
-        let mean = |f: &dyn Fn(&hgca_hybrid::synthetic::StepAccuracy) -> f64| acc.iter().map(f).sum::<f64>() / acc.len() as f64;
-        (mean(&|a| a.recall), mean(&|a| a.rel_err), mean(&|a| a.selected))
+        let mean = |f: &dyn Fn(&hgca_hybrid::synthetic::StepAccuracy) -> f64| {
+            acc.iter().map(f).sum::<f64>() / acc.len() as f64
+        };
+        (
+            mean(&|a| a.recall),
+            mean(&|a| a.rel_err),
+            mean(&|a| a.selected),
+        )
     };
     let (r, e, s) = run(Recovery::Frozen, false);
-    assert!(r > 0.99 && e < 1e-2 && s < 0.25, "steady, paper rule: recall {r}, err {e}, selected {s}");
+    assert!(
+        r > 0.99 && e < 1e-2 && s < 0.25,
+        "steady, paper rule: recall {r}, err {e}, selected {s}"
+    );
     let (r, e, s) = run(Recovery::BlockBounds { top: 8 }, false);
-    assert!(r > 0.99 && e < 1e-2 && s < 0.25, "steady, bounds: recall {r}, err {e}, selected {s}");
+    assert!(
+        r > 0.99 && e < 1e-2 && s < 0.25,
+        "steady, bounds: recall {r}, err {e}, selected {s}"
+    );
     let (r_paper, _, _) = run(Recovery::Frozen, true);
     let (r, _, s) = run(Recovery::BlockBounds { top: 8 }, true);
-    assert!(r > 0.99 && s < 0.5, "shift, bounds: recall {r}, selected {s}");
-    assert!(r_paper < 0.9, "the frozen rule should lose the shifted mass, recall {r_paper}");
+    assert!(
+        r > 0.99 && s < 0.5,
+        "shift, bounds: recall {r}, selected {s}"
+    );
+    assert!(
+        r_paper < 0.9,
+        "the frozen rule should lose the shifted mass, recall {r_paper}"
+    );
 }
