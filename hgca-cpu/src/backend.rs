@@ -51,6 +51,8 @@ pub struct CpuBackend {
     par: Par,
     pool: Option<Arc<rayon::ThreadPool>>,
     scratch: Arc<Mutex<Vec<f32>>>,
+    /// Reused buffer of the window weights a dense submit produces.
+    pub(crate) wbuf: Arc<Mutex<Vec<f32>>>,
 }
 
 impl Default for CpuBackend {
@@ -136,6 +138,7 @@ impl CpuBackend {
             par: Par::Rayon(0),
             pool: None,
             scratch: Arc::default(),
+            wbuf: Arc::default(),
         }
     }
 
@@ -368,7 +371,7 @@ impl CpuBackend {
         tokens_q: usize,
         kv: &K,
         spec: impl Fn(usize, usize) -> Spec<'s> + Sync,
-        weight_offset: impl Fn(usize) -> usize,
+        weight_offset: impl Fn(usize) -> usize + Sync,
         mut out: PartialMut<'_>,
         weights: Option<&mut [f32]>,
         mut chosen: Option<&mut Vec<Vec<u32>>>,
@@ -465,7 +468,9 @@ impl CpuBackend {
         }
         // Raw scores -> softmax weights over everything this call attended.
         if let Some(w) = weights {
-            for (i, buf) in work.chunks(stride).enumerate() {
+            let out_lse = &*out_lse;
+            // Task i's weights: rows h0..h0+hn of KV head g, tokens a..b.
+            let fill = |i: usize, buf: &[f32], w: &mut [f32], base0: usize| {
                 let tk = plan.task(i);
                 let len = spec(tk.t, tk.g).len();
                 let (a, b) = plan.bounds(len, tk.c);
@@ -473,9 +478,40 @@ impl CpuBackend {
                 for h in 0..tk.hn {
                     let hg = tk.h0 + h;
                     let lse = out_lse[tk.g * group + hg];
-                    let base = group * weight_offset(tk.g) + hg * len;
+                    let base = group * weight_offset(tk.g) + hg * len - base0;
                     let src = &sc[h * plan.scores..h * plan.scores + (b - a)];
                     exp_shifted(isa, src, lse, &mut w[base + a..base + b]);
+                }
+            };
+            if plan.chunks == 1 && !matches!(self.par, Par::Seq) {
+                // One chunk per (head, subgroup): each task's weights are one
+                // contiguous run of `w`, in task order; fill them in parallel.
+                use rayon::prelude::*;
+                let mut parts: Vec<(usize, &mut [f32])> = Vec::with_capacity(n_tasks);
+                let mut rest = &mut *w;
+                let mut at = 0;
+                for i in 0..n_tasks {
+                    let tk = plan.task(i);
+                    let n = tk.hn * spec(tk.t, tk.g).len();
+                    let (head, tail) = rest.split_at_mut(n);
+                    parts.push((at, head));
+                    rest = tail;
+                    at += n;
+                }
+                let go = move || {
+                    parts
+                        .into_par_iter()
+                        .zip(work.par_chunks(stride))
+                        .enumerate()
+                        .for_each(|(i, ((base0, wp), buf))| fill(i, buf, wp, base0))
+                };
+                match &self.pool {
+                    Some(p) => p.install(go),
+                    None => go(),
+                }
+            } else {
+                for (i, buf) in work.chunks(stride).enumerate() {
+                    fill(i, buf, w, 0);
                 }
             }
         }

@@ -247,7 +247,11 @@ impl DenseAttention for CpuBackend {
     fn submit_decode(&self, w: &CpuWindow, q: &[f32], want_weights: bool) -> Result<CpuPending> {
         let shape = w.spec.shape;
         let mut partial = Partial::empty(PartialLayout::decode(&shape));
-        let mut weights = want_weights.then(|| vec![0.0; shape.q_heads() * w.len]);
+        let mut weights = want_weights.then(|| {
+            let mut b = std::mem::take(&mut *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()));
+            b.resize(shape.q_heads() * w.len, 0.0);
+            b
+        });
         with_ring!(w, ring => self.dense_decode(&shape, q, &ring, partial.as_mut(), weights.as_deref_mut()))?;
         Ok(CpuPending { partial, weights })
     }
@@ -286,6 +290,7 @@ impl DenseAttention for CpuBackend {
             (Some(dst), Some(src)) => {
                 check_len("weights", src.len(), dst.len())?;
                 dst.copy_from_slice(&src);
+                *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()) = src;
                 Ok(())
             }
             (Some(_), None) => Err(Error::Param {

@@ -195,6 +195,10 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     /// Scratch of the block-bound ranking.
     ub: Vec<f32>,
     ranked: Vec<(f32, u32)>,
+    /// Reused weight buffers of the two sides and the group means.
+    gpu_w: Vec<f32>,
+    cpu_w: Vec<f32>,
+    mean: Vec<f32>,
     admitted: Vec<bool>,
     evict_k: Vec<T>,
     evict_v: Vec<T>,
@@ -243,6 +247,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             stats: StepStats::default(),
             ub: Vec::new(),
             ranked: Vec::new(),
+            gpu_w: Vec::new(),
+            cpu_w: Vec::new(),
+            mean: Vec::new(),
             admitted: Vec::new(),
             evict_k: Vec::new(),
             evict_v: Vec::new(),
@@ -396,14 +403,29 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             }
             let t = self.beta.threshold(g, n_gpu);
             let maw = &self.maw[g];
-            let sinks = self.cfg.sinks;
-            self.sel.push_head(
-                (0..n)
-                    .filter(|&j| {
-                        j < sinks || maw[j] > t || admitted.get(j / bt).copied().unwrap_or(false)
-                    })
-                    .map(|j| j as u32),
-            );
+            let sinks = self.cfg.sinks.min(n);
+            self.sel.begin_head();
+            for j in 0..sinks {
+                self.sel.push_index(j as u32);
+            }
+            // Block by block: an admitted block whole, else the MAW rule.
+            let mut j0 = sinks;
+            while j0 < n {
+                let b = j0 / bt;
+                let end = ((b + 1) * bt).min(n);
+                if admitted.get(b).copied().unwrap_or(false) {
+                    for j in j0..end {
+                        self.sel.push_index(j as u32);
+                    }
+                } else {
+                    for (j, &m) in maw[j0..end].iter().enumerate() {
+                        if m > t {
+                            self.sel.push_index((j0 + j) as u32);
+                        }
+                    }
+                }
+                j0 = end;
+            }
         }
         self.admitted = admitted;
         Ok(())
@@ -469,6 +491,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         } else {
             self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
         }
+        (self.gpu_w, self.cpu_w) = (gpu_w, cpu_w);
         self.steps += 1;
         self.stats = StepStats {
             window_tokens: n_win,
@@ -495,7 +518,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let (group, cap) = (s.group(), self.cfg.window);
         let a = self.alpha.get();
         let n_win = self.window.len();
-        let mut mean = Vec::new();
+        let mut mean = std::mem::take(&mut self.mean);
         for g in 0..s.kv_heads() {
             // Window entries.
             mean.clear();
@@ -507,8 +530,12 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                     *m += w * f;
                 }
             }
-            for (j, &w) in mean.iter().enumerate() {
-                let m = &mut self.win_maw[g * cap + (self.win_head + j) % cap];
+            // The ring holds logical token j at slot (win_head + j) % cap: two runs.
+            let ring = &mut self.win_maw[g * cap..(g + 1) * cap];
+            let first = (cap - self.win_head).min(n_win);
+            let (m1, m2) = mean.split_at(first);
+            let (tail, head) = ring.split_at_mut(self.win_head);
+            for (m, &w) in head.iter_mut().zip(m1).chain(tail.iter_mut().zip(m2)) {
                 *m = a * *m + (1.0 - a) * w;
             }
             // CPU entries that were attended.
@@ -536,6 +563,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                 *m = a * *m + (1.0 - a) * w;
             }
         }
+        self.mean = mean;
     }
 
     /// Re-evaluates the MAW of every entry (window and CPU) from the exact
