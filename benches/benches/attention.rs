@@ -82,7 +82,14 @@ struct Data<T> {
 
 fn data<T: KvElem>(c: &Cfg) -> Data<T> {
     let n = c.kv_heads * c.tokens * c.d;
-    let conv = |x: Vec<f32>| x.into_iter().map(T::from_f32).collect::<Vec<T>>();
+    let huge = std::env::var_os("HGCA_BENCH_NO_HUGEPAGES").is_none();
+    let conv = |x: Vec<f32>| {
+        if huge {
+            hgca_benches::huge_vec(x.len(), |i| T::from_f32(x[i]))
+        } else {
+            x.into_iter().map(T::from_f32).collect::<Vec<T>>()
+        }
+    };
     let m = ((c.tokens as f64 * c.frac).round() as usize).min(c.tokens);
     let mut sel = Selection::new();
     for g in 0..c.kv_heads {

@@ -21,6 +21,29 @@ pub fn fill(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// A vector of `n` elements from `f`, whose pages are asked to be
+/// transparent huge pages before the first touch (`madvise`; the kernel may
+/// refuse). A KV cache of GiBs gathered at random rows otherwise spends its
+/// time in page walks, and an inference engine would map it this way.
+pub fn huge_vec<T: Copy>(n: usize, mut f: impl FnMut(usize) -> T) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(n);
+    let bytes = n * core::mem::size_of::<T>();
+    if bytes >= 1 << 21 {
+        let p = v.as_mut_ptr() as usize;
+        let start = (p + (1 << 21) - 1) & !((1 << 21) - 1);
+        let end = (p + bytes) & !((1 << 21) - 1);
+        if end > start {
+            // SAFETY: the range lies inside the vector's own allocation;
+            // madvise only changes how the kernel backs those pages.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
+            }
+        }
+    }
+    v.extend((0..n).map(&mut f));
+    v
+}
+
 /// Sums a slice with the best SIMD of the machine (the probe's kernel).
 fn simd_sum(x: &[f32]) -> f32 {
     struct Sum<'a>(&'a [f32]);

@@ -283,6 +283,7 @@ impl CpuBackend {
     /// # Errors
     /// [`Error::Length`] / [`Error::ShapeMismatch`] for inputs that do not
     /// fit, [`Error::Param`] for a NaN threshold.
+    #[allow(clippy::too_many_arguments)]
     pub fn sparse_decode_threshold<T: SimdElem, K: KvSource<T>>(
         &self,
         shape: &AttnShape,
@@ -405,7 +406,7 @@ impl CpuBackend {
             let run = &mut run[..tk.hn];
             let qrow = (tk.t * qh + tk.g * group + tk.h0) * d;
             let qv = &qs[qrow..qrow + tk.hn * d];
-            let so = (plan.scores > 0).then(|| ScoreOut {
+            let so = (plan.scores > 0).then_some(ScoreOut {
                 buf: &mut *sc,
                 stride: plan.scores,
             });
@@ -424,7 +425,7 @@ impl CpuBackend {
             finish(o, lse, run, d);
         };
         let work = &mut work[..n_tasks * stride];
-        match (&self.par, &self.pool, chosen.as_deref_mut()) {
+        match (&self.par, &self.pool, chosen) {
             (Par::Seq, _, picked) => {
                 let mut picked = picked.map(|p| p.iter_mut());
                 for (i, buf) in work.chunks_mut(stride).enumerate() {
@@ -536,7 +537,7 @@ impl CpuBackend {
         out: &mut [f32],
     ) -> Result<()> {
         check_len("q", heads * d, q.len())?;
-        if d == 0 || bounds.len() % (2 * d) != 0 {
+        if d == 0 || !bounds.len().is_multiple_of(2 * d) {
             return Err(Error::Length {
                 what: "bounds (a multiple of 2 * d)",
                 expected: (bounds.len() / (2 * d).max(1)) * 2 * d,

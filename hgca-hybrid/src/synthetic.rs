@@ -169,10 +169,10 @@ impl Synth {
         let mut q = Vec::with_capacity(self.shape.q_len());
         let s = (d as f32).sqrt();
         for _ in 0..self.shape.q_heads() {
-            for i in 0..d {
-                let mut x = s * (topic[i] + 0.6 * self.sink_dir[i]);
+            for ((&t, &sk), &nd) in topic.iter().zip(&self.sink_dir).zip(&self.needle_dir) {
+                let mut x = s * (t + 0.6 * sk);
                 if ask_needle {
-                    x += s * self.needle_dir[i];
+                    x += s * nd;
                 }
                 q.push(x + 0.3 * gauss(&mut self.rng));
             }

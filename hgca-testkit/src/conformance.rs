@@ -11,7 +11,7 @@ use hgca_kernels::{
 };
 use hgca_ref::RefRow;
 
-use crate::{Problem, Rng, Tolerance, check_rows};
+use crate::{Problem, Rng, Tolerance, check_rows, within};
 
 /// Rounds reference rows to an f32 partial (what a perfect kernel returns).
 pub fn rows_to_partial(layout: PartialLayout, rows: &[RefRow]) -> Partial {
@@ -137,7 +137,7 @@ pub fn check_sparse<B: SparseAttention, T: KvElem>(
             for (j, &r) in rw.iter().enumerate() {
                 let got = w[base + j] as f64;
                 let bound = tol.abs + tol.rel * want[h].score_mag;
-                if !((got - r).abs() <= bound.max(r * 1e-3)) {
+                if !within((got - r).abs(), bound.max(r * 1e-3)) {
                     return Err(format!("weight head {h} entry {j}: {got} vs {r}"));
                 }
             }
@@ -264,7 +264,10 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
         let rw = hgca_ref::weights_row(&p.q[h * d..(h + 1) * d], k, d, shape.scale() as f64, &set);
         for (j, &r) in rw.iter().enumerate() {
             let got = weights[h * set.len() + j] as f64;
-            if !((got - r).abs() <= (tol.abs + tol.rel * want[h].score_mag).max(r * 1e-3)) {
+            if !within(
+                (got - r).abs(),
+                (tol.abs + tol.rel * want[h].score_mag).max(r * 1e-3),
+            ) {
                 return Err(format!("decode weight head {h} token {j}: {got} vs {r}"));
             }
         }

@@ -43,6 +43,15 @@ impl Tolerance {
     }
 }
 
+/// `err <= bound`, false for NaN: an unwritten (poisoned) element fails.
+#[inline]
+pub fn within(err: f64, bound: f64) -> bool {
+    matches!(
+        err.partial_cmp(&bound),
+        Some(core::cmp::Ordering::Less | core::cmp::Ordering::Equal)
+    )
+}
+
 /// Checks one kernel partial `(out, lse)` against reference rows.
 ///
 /// # Errors
@@ -78,7 +87,7 @@ pub fn check_rows(
         let bound = vmax.max(1e-30) * (tol.abs + tol.rel * rr.score_mag);
         for (i, (&o, &x)) in out[r * d..(r + 1) * d].iter().zip(&rr.out).enumerate() {
             let err = (o as f64 - x).abs();
-            if !(err <= bound) {
+            if !within(err, bound) {
                 return Err(format!(
                     "row {r} elem {i}: out {o} vs reference {x} (err {err:.3e} > bound {bound:.3e})"
                 ));
