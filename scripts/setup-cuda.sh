@@ -42,7 +42,7 @@ if [ -n "${HGCA_CUDA_WHEEL_VERSION:-}" ]; then
 else
     spec=">=12.4,<13"
 fi
-installed=$("$venv/bin/python" -m pip show nvidia-cuda-nvrtc-cu12 2>/dev/null | sed -n 's/^Version: //p')
+installed=$( ("$venv/bin/python" -m pip show nvidia-cuda-nvrtc-cu12 2>/dev/null || true) | sed -n "s/^Version: //p")
 if [ -n "${HGCA_CUDA_WHEEL_VERSION:-}" ] && [ -n "$installed" ] \
     && [ "${installed#"$HGCA_CUDA_WHEEL_VERSION".}" = "$installed" ]; then
     log "installed NVRTC $installed does not match $HGCA_CUDA_WHEEL_VERSION: reinstalling"

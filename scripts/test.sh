@@ -27,7 +27,12 @@ step "system packages"
 [ -f scripts/setup-vulkan.sh ] && bash scripts/setup-vulkan.sh
 if [ -f scripts/setup-cuda.sh ]; then
   # Prints `export ...` lines for NVRTC, its headers and ptxas.
-  eval "$(bash scripts/setup-cuda.sh)"
+  if cuda_env=$(bash scripts/setup-cuda.sh); then
+    eval "$cuda_env"
+  else
+    echo "setup-cuda.sh failed: the CUDA compile checks will not find NVRTC"
+    [ -n "${HGCA_REQUIRE_NVRTC:-}" ] && exit 1
+  fi
 fi
 
 step "format"
