@@ -31,6 +31,7 @@ export HGCA_REQUIRE_ISAS=neon
 for cpu in max cortex-a72; do
   expect=1; [ "$cpu" = cortex-a72 ] && expect=0
   echo "== NEON tests under qemu, QEMU_CPU=$cpu (FEAT_FP16 expected: $expect)"
+  mkdir -p target/aarch64
   log=target/aarch64/neon-$cpu.log
   rc=0
   QEMU_CPU=$cpu HGCA_EXPECT_NEON_FP16=$expect /usr/bin/cargo test -p hgca-cpu --target aarch64-unknown-linux-gnu -- --nocapture >"$log" 2>&1 || rc=$?
