@@ -171,17 +171,9 @@ impl WindowBackend for CpuBackend {
     }
 
     fn append(&self, w: &mut CpuWindow, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        w.spec.check_append(w.free(), n, k, v)?;
         let s = w.spec.shape;
         let (hk, d, cap) = (s.kv_heads(), s.head_dim(), w.spec.capacity);
-        check_len("k", n * hk * d, k.len())?;
-        check_len("v", n * hk * d, v.len())?;
-        if n > w.free() {
-            return Err(Error::Capacity {
-                what: "window free slots (evict first)",
-                capacity: w.free(),
-                requested: n,
-            });
-        }
         for i in 0..n {
             let slot = (w.head + w.len + i) % cap;
             for h in 0..hk {
@@ -202,24 +194,9 @@ impl WindowBackend for CpuBackend {
         k_out: &mut [T],
         v_out: &mut [T],
     ) -> Result<()> {
-        if T::DTYPE != w.spec.dtype {
-            return Err(Error::UnsupportedDType {
-                dtype: T::DTYPE,
-                backend: "cpu",
-                reason: format!("the window stores {}", w.spec.dtype),
-            });
-        }
+        w.spec.check_evict("cpu", w.len, n, k_out, v_out)?;
         let s = w.spec.shape;
         let (hk, d) = (s.kv_heads(), s.head_dim());
-        if n > w.len {
-            return Err(Error::Capacity {
-                what: "window tokens to evict",
-                capacity: w.len,
-                requested: n,
-            });
-        }
-        check_len("k_out", hk * n * d, k_out.len())?;
-        check_len("v_out", hk * n * d, v_out.len())?;
         with_ring!(w, ring => {
             for h in 0..hk {
                 for i in 0..n {

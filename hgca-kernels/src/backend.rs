@@ -47,6 +47,63 @@ impl WindowSpec {
     pub fn bytes(&self) -> usize {
         2 * self.capacity * self.shape.kv_token_len() * self.dtype.size()
     }
+
+    /// The boundary check of [`WindowBackend::append`], shared by every
+    /// backend: `k` and `v` hold `n` tokens and the window has `free` slots.
+    ///
+    /// # Errors
+    /// [`Error::Length`], [`Error::Capacity`].
+    pub fn check_append(&self, free: usize, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let count = n
+            .checked_mul(self.shape.kv_token_len())
+            .ok_or(Error::Capacity {
+                what: "append elements",
+                capacity: usize::MAX,
+                requested: n,
+            })?;
+        crate::check_len("k", count, k.len())?;
+        crate::check_len("v", count, v.len())?;
+        if n > free {
+            return Err(Error::Capacity {
+                what: "window free slots (evict first)",
+                capacity: free,
+                requested: n,
+            });
+        }
+        Ok(())
+    }
+
+    /// The boundary check of [`WindowBackend::evict_oldest`], shared by every
+    /// backend: `T` is the window's dtype, `n <= len`, outputs hold `n` tokens.
+    ///
+    /// # Errors
+    /// [`Error::UnsupportedDType`], [`Error::Capacity`], [`Error::Length`].
+    pub fn check_evict<T: KvElem>(
+        &self,
+        backend: &'static str,
+        len: usize,
+        n: usize,
+        k_out: &[T],
+        v_out: &[T],
+    ) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::UnsupportedDType {
+                dtype: T::DTYPE,
+                backend,
+                reason: format!("the window stores {}", self.dtype),
+            });
+        }
+        if n > len {
+            return Err(Error::Capacity {
+                what: "window tokens to evict",
+                capacity: len,
+                requested: n,
+            });
+        }
+        let count = n * self.shape.kv_token_len();
+        crate::check_len("k_out", count, k_out.len())?;
+        crate::check_len("v_out", count, v_out.len())
+    }
 }
 
 /// A dense-side KV window: a ring of the `len()` most recent tokens, the

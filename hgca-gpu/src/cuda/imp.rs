@@ -786,16 +786,8 @@ impl WindowBackend for CudaBackend {
     fn append(&self, window: &mut CudaWindow, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
         self.check_window(window)?;
         let shape = window.spec.shape;
-        let count = mul("append elements", n, shape.kv_token_len())?;
-        check_len("k", count, k.len())?;
-        check_len("v", count, v.len())?;
-        if n > window.free() {
-            return Err(Error::Capacity {
-                what: "cuda window free slots",
-                capacity: window.free(),
-                requested: n,
-            });
-        }
+        window.spec.check_append(window.free(), n, k, v)?;
+        let count = n * shape.kv_token_len();
         if n == 0 {
             return Ok(());
         }
@@ -863,24 +855,9 @@ impl WindowBackend for CudaBackend {
     ) -> Result<()> {
         self.check_window(window)?;
         let w = window;
-        if T::DTYPE != w.spec.dtype {
-            return Err(Error::UnsupportedDType {
-                dtype: T::DTYPE,
-                backend: BACKEND,
-                reason: format!("the window stores {}", w.spec.dtype),
-            });
-        }
-        if n > w.len {
-            return Err(Error::Capacity {
-                what: "cuda window tokens",
-                capacity: w.len,
-                requested: n,
-            });
-        }
+        w.spec.check_evict(BACKEND, w.len, n, k_out, v_out)?;
         let shape = w.spec.shape;
-        let count = mul("evict elements", n, shape.kv_token_len())?;
-        check_len("k_out", count, k_out.len())?;
-        check_len("v_out", count, v_out.len())?;
+        let count = n * shape.kv_token_len();
         if n == 0 {
             return Ok(());
         }

@@ -830,21 +830,8 @@ impl WindowBackend for WgpuBackend {
 
     fn append(&self, w: &mut WgpuWindow, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
         self.own("wgpu window", w.owner)?;
+        w.spec.check_append(w.free(), n, k, v)?;
         let (hk, d) = (w.spec.shape.kv_heads(), w.spec.shape.head_dim());
-        let expected = n.checked_mul(hk * d).ok_or(Error::Capacity {
-            what: "wgpu window free slots",
-            capacity: w.free(),
-            requested: n,
-        })?;
-        check_len("k", expected, k.len())?;
-        check_len("v", expected, v.len())?;
-        if n > w.free() {
-            return Err(Error::Capacity {
-                what: "wgpu window free slots",
-                capacity: w.free(),
-                requested: n,
-            });
-        }
         if n == 0 {
             return Ok(());
         }
@@ -879,23 +866,8 @@ impl WindowBackend for WgpuBackend {
         v_out: &mut [T],
     ) -> Result<()> {
         self.own("wgpu window", w.owner)?;
-        if T::DTYPE != w.spec.dtype {
-            return Err(Error::UnsupportedDType {
-                dtype: T::DTYPE,
-                backend: BACKEND,
-                reason: format!("this window stores {}", w.spec.dtype),
-            });
-        }
-        if n > w.len {
-            return Err(Error::Capacity {
-                what: "wgpu window tokens held",
-                capacity: w.len,
-                requested: n,
-            });
-        }
+        w.spec.check_evict(BACKEND, w.len, n, k_out, v_out)?;
         let (hk, d) = (w.spec.shape.kv_heads(), w.spec.shape.head_dim());
-        check_len("k_out", hk * n * d, k_out.len())?;
-        check_len("v_out", hk * n * d, v_out.len())?;
         if n == 0 {
             return Ok(());
         }
