@@ -698,11 +698,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
         n: usize,
         out: &mut [f32],
     ) -> Result<()> {
-        let s = self.shape;
-        check_len("q", n * s.q_len(), q.len())?;
-        check_len("k", n * s.kv_token_len(), k.len())?;
-        check_len("v", n * s.kv_token_len(), v.len())?;
-        check_len("out", n * s.q_len(), out.len())?;
+        crate::check_forward(&self.shape, q, k, v, n, out)?;
         match n {
             0 => Ok(()),
             1 => self.decode(q, k, v, out),

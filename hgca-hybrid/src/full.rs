@@ -1,9 +1,7 @@
 //! Full (exact) attention over the whole cache on the CPU: the baseline.
 
 use hgca_cpu::CpuBackend;
-use hgca_kernels::{
-    AttnShape, KvElem, KvSource, KvStore, PartialLayout, PartialMut, Result, check_len,
-};
+use hgca_kernels::{AttnShape, KvElem, KvSource, KvStore, PartialLayout, PartialMut, Result};
 
 use crate::SequenceAttention;
 
@@ -64,11 +62,8 @@ impl<T: KvElem> SequenceAttention for FullAttention<T> {
         n: usize,
         out: &mut [f32],
     ) -> Result<()> {
+        crate::check_forward(&self.shape, q, k, v, n, out)?;
         let s = self.shape;
-        check_len("q", n * s.q_len(), q.len())?;
-        check_len("k", n * s.kv_token_len(), k.len())?;
-        check_len("v", n * s.kv_token_len(), v.len())?;
-        check_len("out", n * s.q_len(), out.len())?;
         let before = self.store.tokens();
         self.conv.clear();
         self.conv.extend(k.iter().chain(v).map(|&x| T::from_f32(x)));

@@ -15,7 +15,7 @@ pub mod synthetic;
 pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
 pub use full::FullAttention;
 
-use hgca_kernels::Result;
+use hgca_kernels::{AttnShape, Result, check_len};
 
 /// Causal self-attention of one model layer over a growing sequence.
 pub trait SequenceAttention {
@@ -38,4 +38,19 @@ pub trait SequenceAttention {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The boundary check of [`SequenceAttention::forward`], shared by its implementations.
+fn check_forward(
+    s: &AttnShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    out: &[f32],
+) -> Result<()> {
+    check_len("q", n * s.q_len(), q.len())?;
+    check_len("k", n * s.kv_token_len(), k.len())?;
+    check_len("v", n * s.kv_token_len(), v.len())?;
+    check_len("out", n * s.q_len(), out.len())
 }
