@@ -24,8 +24,6 @@ fi
 export RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc CARGO_TARGET_DIR=target/aarch64
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64
-# Fewer proptest cases under emulation (about 30x slower than native).
-export PROPTEST_CASES=${PROPTEST_CASES:-24}
 export HGCA_REQUIRE_ISAS=neon
 /usr/bin/cargo --version
 for cpu in max cortex-a72; do

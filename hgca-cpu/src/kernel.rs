@@ -19,7 +19,6 @@ use pulp::Simd;
 
 use crate::isa::{Kern, SimdElem, exp_neg, load, store};
 
-const PREFETCH: bool = true;
 /// Tokens per block.
 pub(crate) const BLOCK: usize = 32;
 /// Query heads one kernel call serves (larger groups are split).
@@ -149,11 +148,9 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     let mut sc = [[0.0f32; BLOCK]; MAX_HEADS];
     while n > 0 {
         let n_next = tokens.next_block(&mut next);
-        if PREFETCH {
-            for &j in &next[..n_next] {
-                prefetch_row(s, kv.k_row(g, j));
-                prefetch_row(s, kv.v_row(g, j));
-            }
+        for &j in &next[..n_next] {
+            prefetch_row(s, kv.k_row(g, j));
+            prefetch_row(s, kv.v_row(g, j));
         }
         let mut krows: [&[T]; BLOCK] = [kv.k_row(g, cur[0]); BLOCK];
         let mut vrows: [&[T]; BLOCK] = [kv.v_row(g, cur[0]); BLOCK];

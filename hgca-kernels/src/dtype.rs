@@ -100,8 +100,3 @@ impl KvElem for bf16 {
         bf16::from_f32(x)
     }
 }
-
-/// Rounds a slice of f32 into storage type `T` (for filling caches and tests).
-pub fn convert_from_f32<T: KvElem>(src: &[f32]) -> Vec<T> {
-    src.iter().map(|&x| T::from_f32(x)).collect()
-}

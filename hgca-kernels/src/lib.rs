@@ -37,7 +37,7 @@ mod shape;
 pub use backend::{
     DenseAttention, KvWindow, MergeBackend, SparseAttention, WindowBackend, WindowSpec,
 };
-pub use dtype::{DType, KvElem, convert_from_f32};
+pub use dtype::{DType, KvElem};
 pub use error::{Error, Result, check_len};
 pub use half::{bf16, f16};
 pub use kv::{KvSlices, KvSource, KvStore, Selection};
