@@ -26,6 +26,7 @@ if [ "${1:-}" = "--prepare" ]; then
     eval "$(bash scripts/setup-cuda.sh)"
     log "building release test and bench binaries"
     cargo build --release -p hgca-gpu --features cuda --examples
+    cargo build --release -p hgca-demo --no-default-features --features cuda
     exe=$(cargo test --release -p hgca-gpu --features cuda --test cuda --no-run 2>&1 \
         | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))/\1/p' | tail -1)
     [ -x "$exe" ] || { echo "gpu-check: test binary not found" >&2; exit 1; }
@@ -33,6 +34,8 @@ if [ "${1:-}" = "--prepare" ]; then
     strip -o "$pack/cuda-tests" "$exe" 2>/dev/null || cp "$exe" "$pack/cuda-tests"
     strip -o "$pack/cuda-bench" target/release/examples/cuda_bench 2>/dev/null \
         || cp target/release/examples/cuda_bench "$pack/cuda-bench"
+    strip -o "$pack/hgca-demo" target/release/hgca-demo 2>/dev/null \
+        || cp target/release/hgca-demo "$pack/hgca-demo"
     nvrtc_dir=${LD_LIBRARY_PATH%%:*}
     log "compressing NVRTC and ptxas (xz, about a minute)"
     xz -T0 -6 -c "$nvrtc_dir/libnvrtc.so.12" > "$pack/libnvrtc.so.12.xz"
@@ -46,8 +49,12 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 
 if [ -x "$pack/cuda-tests" ] && [ -x "$pack/cuda-bench" ]; then
+    # Every stage runs even when an earlier one fails (a device call is
+    # precious): the exit status says whether all passed.
+    set +e
+    failed=
     command -v nvidia-smi >/dev/null 2>&1 \
-        && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+        && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
     lib=$(mktemp -d)
     log "unpacking NVRTC and ptxas from $pack"
     for f in "$pack"/*.xz; do
@@ -56,17 +63,31 @@ if [ -x "$pack/cuda-tests" ] && [ -x "$pack/cuda-bench" ]; then
     chmod +x "$lib/ptxas"
     export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export HGCA_PTXAS="$lib/ptxas" HGCA_REQUIRE_NVRTC=1
-    test_log=$(mktemp)
+    logs=${out:-$(mktemp -d)}
+    mkdir -p "$logs"
     log "CUDA tests (compile report + conformance on the GPU)"
-    "$pack/cuda-tests" --nocapture 2>&1 | tee "$test_log"
-    if grep -q "SKIP: device tests" "$test_log"; then
+    "$pack/cuda-tests" --nocapture > "$logs/cuda_tests.log" 2>&1 || failed="$failed tests"
+    grep -E "^test |test result|SKIP|panicked|FAILED|regs|spill" "$logs/cuda_tests.log" | tail -60
+    if grep -q "SKIP: device tests" "$logs/cuda_tests.log"; then
         echo "gpu-check: the device tests skipped (no usable GPU): see the reason above" >&2
-        exit 1
+        failed="$failed skip"
     fi
     log "timing decode and merge"
-    "$pack/cuda-bench"
-    [ -n "$out" ] && mkdir -p "$out" && cp "$test_log" "$out/cuda_tests.log"
-    rm -rf "$lib" "$test_log"
+    "$pack/cuda-bench" 2>&1 | tee "$logs/cuda_bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed bench"
+    if [ -x "$pack/hgca-demo" ]; then
+        for ctx in 131072 32768; do
+            log "hybrid decode, CUDA dense + CPU sparse, context $ctx"
+            "$pack/hgca-demo" hybrid --backend cuda --context $ctx --steps 24 2>&1 \
+                | tee "$logs/demo_$ctx.log"
+            [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed demo_$ctx"
+        done
+    fi
+    rm -rf "$lib"
+    if [ -n "$failed" ]; then
+        log "FAILED:$failed"
+        exit 1
+    fi
     log "done"
     exit 0
 fi

@@ -281,6 +281,25 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     pub fn last_selection(&self) -> &Selection {
         &self.sel
     }
+    /// Times the dense side of a decode step alone: the same submit and wait
+    /// (with the window's weights) as [`SequenceAttention::forward`] does,
+    /// with no CPU work beside it. This is the `dense` term of the overlap
+    /// bound `step <= 1.1 max(dense, sparse) + merge`: a step's own
+    /// [`StepStats::dense`] only sees the part of the GPU time that the CPU
+    /// side did not hide.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `q` is not `[q_heads, d]`; backend errors.
+    pub fn time_dense_alone(&self, q: &[f32]) -> Result<Duration> {
+        let layout = PartialLayout::decode(&self.shape);
+        let mut part = Partial::empty(layout);
+        let mut w = vec![0.0; self.shape.q_heads() * self.window.len()];
+        let t = Instant::now();
+        let pending = self.dense.submit_decode(&self.window, q, true)?;
+        self.dense.wait(pending, part.as_mut(), Some(&mut w))?;
+        Ok(t.elapsed())
+    }
+
     /// Tokens in the CPU store (sequence positions `0..cpu_tokens`); the
     /// window holds the positions after them.
     pub fn cpu_tokens(&self) -> usize {
