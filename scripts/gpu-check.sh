@@ -61,6 +61,10 @@ if [ -x "$pack/cuda-tests" ] && [ -x "$pack/cuda-bench" ]; then
         xz -dc "$f" > "$lib/$(basename "$f" .xz)"
     done
     chmod +x "$lib/ptxas"
+    # cudarc tries `libnvrtc.so` before `libnvrtc.so.12`: without this link a
+    # CUDA 13 image's own NVRTC wins, and its PTX (ISA 9.0) is newer than the
+    # packed ptxas (12.9) reads.
+    ln -sf libnvrtc.so.12 "$lib/libnvrtc.so"
     export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export HGCA_PTXAS="$lib/ptxas" HGCA_REQUIRE_NVRTC=1
     logs=${out:-$(mktemp -d)}

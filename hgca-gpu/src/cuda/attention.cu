@@ -9,6 +9,7 @@
 //   HGCA_LANES  lanes that share one K/V row in the decode kernel (power of 2, <= 32)
 //   HGCA_E      vector loads per lane per row
 //   HGCA_GB     query heads per decode block (one K/V load serves all of them)
+//   HGCA_U      tokens per row per decode iteration (their loads are in flight together)
 //
 // No CUDA header is needed: f16/bf16 are widened by hand (cvt / shift), all
 // arithmetic is f32. Scores are kept in the log2 domain (q is pre-scaled by
@@ -38,12 +39,14 @@ constexpr int kR = 32 / kL;
 constexpr int kWarps = 4;
 constexpr int kNS = kWarps * kR;
 constexpr int kGB = HGCA_GB;
+constexpr int kU = HGCA_U;
 
 static_assert(HD % kVec == 0, "vector width must divide d");
 static_assert(kVec == 1 || kVec * sizeof(kv_t) == 16, "vector loads are 16 bytes");
 static_assert(kL >= 1 && kL <= 32 && (kL & (kL - 1)) == 0, "lanes per row: power of 2");
 static_assert(kE * kL >= kNv, "lanes cover a row");
 static_assert(kGB >= 1 && kGB <= 8, "heads per block");
+static_assert(kU >= 1 && kU <= 8, "tokens per row and iteration");
 
 __device__ __forceinline__ float f16_bits_to_f32(unsigned int h) {
     float f;
@@ -178,13 +181,15 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
     const int t_begin = split * chunk;
     const int t_end = min(len, t_begin + chunk);
 
-    // Two tokens per row and iteration: four 16-byte loads in flight per lane.
-    // The loop bound is block-uniform, so every lane reaches the shuffles.
-    for (int base = t_begin; base < t_end; base += 2 * kNS) {
-        uint4 kr[2][kE], vr[2][kE];
-        bool ok[2];
+    // kU tokens per row and iteration: 2 kU kE 16-byte loads in flight per
+    // lane, all issued before the first is used (decode is bound by how many
+    // bytes are in flight). The loop bound is block-uniform, so every lane
+    // reaches the shuffles.
+    for (int base = t_begin; base < t_end; base += kU * kNS) {
+        uint4 kr[kU][kE], vr[kU][kE];
+        bool ok[kU];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < kU; ++u) {
             const int t = base + u * kNS + slot;
             ok[u] = t < t_end;
             const size_t row = (size_t)ring_slot(start_slot, ok[u] ? t : 0, cap) * HD;
@@ -201,7 +206,7 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < kU; ++u) {
             float kf[kEV];
 #pragma unroll
             for (int e = 0; e < kE; ++e) unpack(kr[u][e], &kf[e * kVec]);

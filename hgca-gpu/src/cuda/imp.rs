@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DriverError,
-    LaunchConfig, PinnedHostSlice, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    DriverError, HostSlice, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use half::slice::HalfFloatSliceExt;
@@ -276,6 +276,39 @@ fn alloc_pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>
     Ok(p)
 }
 
+/// Queues a copy of all of `src` into the first `src.len()` elements of the
+/// pinned `dst` on `stream`; reading `dst` (`as_slice`) waits for it.
+///
+/// cudarc's `memcpy_dtoh` copies `dst.len()` elements, so with a larger
+/// pooled host buffer it reads past the end of `src` (the driver answers
+/// `CUDA_ERROR_INVALID_VALUE`, seen on an H200): this copies exactly `src`.
+fn dtoh_prefix<T: DeviceRepr, S: DevicePtr<T>>(
+    stream: &Arc<CudaStream>,
+    src: &S,
+    dst: &mut PinnedHostSlice<T>,
+) -> Result<()> {
+    let n = src.len();
+    if dst.len() < n {
+        return Err(Error::Capacity {
+            what: "pinned host buffer",
+            capacity: dst.len(),
+            requested: n,
+        });
+    }
+    stream.context().bind_to_thread().map_err(drv)?;
+    let (sp, _read) = src.device_ptr(stream);
+    // SAFETY: the host slice is used with `stream` only; dropping `_written`
+    // records the pinned buffer's event after the copy, so a later
+    // `as_slice` waits for it. `n <= dst.len()` was checked above and `src`
+    // holds `n` elements, so the copy stays inside both allocations.
+    unsafe {
+        let (host, _written) = dst.stream_synced_mut_slice(stream);
+        cudarc::driver::result::memcpy_dtoh_async(&mut host[..n], sp, stream.cu_stream())
+            .map_err(drv)?;
+    }
+    Ok(())
+}
+
 fn launch_cfg(grid: (u32, u32, u32), block: u32, smem: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: grid,
@@ -381,7 +414,7 @@ impl CudaBackend {
         let per_split = shape.kv_heads() * nz;
         let target = 4 * self.dev.sms;
         let splits = target.div_ceil(per_split).max(1);
-        let step = 2 * spec.decode_slots();
+        let step = spec.unroll() * spec.decode_slots();
         let chunk = w.len.div_ceil(splits).next_multiple_of(step).max(2 * step);
         let splits = w.len.div_ceil(chunk).max(1);
         DecodePlan { splits, chunk, nz }
@@ -906,7 +939,7 @@ impl WindowBackend for CudaBackend {
                     .map_err(drv)?;
             }
         }
-        s.memcpy_dtoh(&ed.slice(0..total), eh).map_err(drv)?;
+        dtoh_prefix(s, &ed.slice(0..total), eh)?;
         let host = eh.as_slice().map_err(drv)?;
         bytemuck::cast_slice_mut::<T, u8>(k_out).copy_from_slice(&host[..half]);
         bytemuck::cast_slice_mut::<T, u8>(v_out).copy_from_slice(&host[half..total]);
@@ -950,7 +983,7 @@ impl CudaBackend {
         work: Work,
     ) -> Result<CudaPending> {
         let mut host = self.dev.take_pinned(res.len())?;
-        self.dev.compute.memcpy_dtoh(res, &mut host).map_err(drv)?;
+        dtoh_prefix(&self.dev.compute, res, &mut host)?;
         Ok(CudaPending {
             layout,
             weights,

@@ -117,6 +117,18 @@ impl KernelSpec {
     fn elems_per_lane(&self) -> usize {
         self.loads_per_lane() * self.vec()
     }
+    /// Tokens each decode row loads per iteration: four when a row is
+    /// exactly one 16-byte load per lane (d 64, 128, 256 in f16/bf16; 8 loads
+    /// in flight per lane), else two (ptxas spilled the 4-token form of
+    /// d 96 bf16 on sm_90).
+    pub fn unroll(&self) -> usize {
+        let per_row = self.head_dim / self.vec();
+        if self.vec() > 1 && per_row == self.lanes() {
+            4
+        } else {
+            2
+        }
+    }
     /// Independent token rows per decode block (each with its own online softmax).
     pub fn decode_slots(&self) -> usize {
         (BLOCK_THREADS as usize / 32) * (32 / self.lanes())
@@ -139,7 +151,7 @@ impl KernelSpec {
         format!(
             "// hgca attention: dtype {}, d {}, {} heads per decode block\n\
              #define HGCA_DT {dt}\n#define HGCA_HD {}\n#define HGCA_VEC {}\n\
-             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n{}",
+             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n#define HGCA_U {}\n{}",
             self.dtype,
             self.head_dim,
             self.heads_per_block,
@@ -148,6 +160,7 @@ impl KernelSpec {
             self.lanes(),
             self.loads_per_lane(),
             self.heads_per_block,
+            self.unroll(),
             ATTENTION_CU
         )
     }
