@@ -125,8 +125,12 @@ pub struct StepStats {
     pub selected: usize,
     /// Whether this step attended every CPU entry (a re-score step or a prompt chunk).
     pub full_cpu: bool,
-    /// Time from submitting the dense work to its result.
+    /// Time the step spent on the dense side: submitting its work plus
+    /// waiting for (and copying out) its result; GPU time hidden behind the
+    /// CPU side is not in it.
     pub dense: Duration,
+    /// The submitting part of [`StepStats::dense`] (uploads and launches).
+    pub dense_submit: Duration,
     /// Time of the CPU side (selection and sparse attention).
     pub sparse: Duration,
     /// Time of the merge and the MAW updates.
@@ -469,15 +473,18 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let ts = Instant::now();
         let full = matches!(self.cfg.recovery, Recovery::Rescore { every } if self.steps % every == every - 1);
         let mut cpu_part = Partial::empty(layout);
-        let mut cpu_w;
+        // The weight buffers of the last step are reused: a fresh multi-MiB
+        // vector per step costs its page faults (seen at 128k: ~0.4 ms).
+        let mut cpu_w = std::mem::take(&mut self.cpu_w);
+        cpu_w.clear();
         if full {
             self.sel = Selection::all(s.kv_heads(), self.store.tokens());
-            cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
+            cpu_w.resize(s.q_heads() * self.store.tokens(), 0.0);
             self.cpu
                 .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
         } else {
             self.select(q)?;
-            cpu_w = vec![0.0; s.group() * self.sel.total()];
+            cpu_w.resize(s.group() * self.sel.total(), 0.0);
             self.sparse.sparse_decode(
                 &s,
                 q,
@@ -491,7 +498,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         // 3. Wait for the dense side, merge exactly.
         let tw = Instant::now();
         let mut gpu_part = Partial::empty(layout);
-        let mut gpu_w = vec![0.0; s.q_heads() * n_win];
+        let mut gpu_w = std::mem::take(&mut self.gpu_w);
+        gpu_w.clear();
+        gpu_w.resize(s.q_heads() * n_win, 0.0);
         self.dense
             .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
         let waited = tw.elapsed();
@@ -518,6 +527,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             selected: self.sel.total(),
             full_cpu: full,
             dense: submitted + waited,
+            dense_submit: submitted,
             sparse,
             merge: tm.elapsed(),
             total: t0.elapsed(),
@@ -658,7 +668,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let s = self.shape;
         let (ql, kl) = (s.q_len(), s.kv_token_len());
         let piece_max = self.cfg.window;
-        let (mut dense_t, mut cpu_t) = (Duration::ZERO, Duration::ZERO);
+        let (mut dense_t, mut submit_t, mut cpu_t) =
+            (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let mut done = 0;
         while done < n {
             let m = (n - done).min(piece_max);
@@ -676,6 +687,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             let layout = PartialLayout::append(&s, m);
             let td = Instant::now();
             let pending = self.dense.submit_append(&self.window, qp, m, p0)?;
+            submit_t += td.elapsed();
             dense_t += td.elapsed();
             let tc = Instant::now();
             let mut cpu_part = Partial::empty(layout);
@@ -698,6 +710,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             selected: self.sel.total(),
             full_cpu: true,
             dense: dense_t,
+            dense_submit: submit_t,
             sparse: cpu_t,
             merge: Duration::ZERO,
             total: t0.elapsed(),

@@ -10,6 +10,7 @@
 //   HGCA_E      vector loads per lane per row
 //   HGCA_GB     query heads per decode block (one K/V load serves all of them)
 //   HGCA_U      tokens per row per decode iteration (their loads are in flight together)
+//   HGCA_MINB   decode blocks per multiprocessor the registers must allow (launch bounds)
 //
 // No CUDA header is needed: f16/bf16 are widened by hand (cvt / shift), all
 // arithmetic is f32. Scores are kept in the log2 domain (q is pre-scaled by
@@ -132,7 +133,7 @@ __device__ __forceinline__ int ring_slot(int start_slot, int t, int cap) {
 // stored at scores[h * len + t] (turned into weights by hgca_decode_weights).
 // Dynamic shared memory: kNS * kGB * (HD + 2) floats.
 // ---------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(128, HGCA_MINB)
 hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
                   const float* __restrict__ q, float* __restrict__ part_o,
                   float* __restrict__ part_lse, float* __restrict__ scores,
@@ -205,45 +206,74 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
                 }
             }
         }
+        // Scores of the kU tokens (the shuffles of all of them in flight together).
+        float sc[kU][kGB];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             float kf[kEV];
 #pragma unroll
             for (int e = 0; e < kE; ++e) unpack(kr[u][e], &kf[e * kVec]);
-            float sc[kGB];
 #pragma unroll
             for (int gi = 0; gi < kGB; ++gi) {
                 float s = 0.f;
 #pragma unroll
                 for (int i = 0; i < kEV; ++i) s = fmaf(qr[gi][i], kf[i], s);
-                sc[gi] = s;
+                sc[u][gi] = s;
             }
+        }
 #pragma unroll
-            for (int off = kL / 2; off > 0; off >>= 1) {
+        for (int off = kL / 2; off > 0; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
 #pragma unroll
                 for (int gi = 0; gi < kGB; ++gi)
-                    sc[gi] += __shfl_xor_sync(FULL_MASK, sc[gi], off);
+                    sc[u][gi] += __shfl_xor_sync(FULL_MASK, sc[u][gi], off);
             }
-            if (ok[u]) {
-                const int t = base + u * kNS + slot;
-                if (scores != nullptr && li == 0) {
+        }
+        // ok[u] is monotone in u: a row with no token here skips the update.
+        if (ok[0]) {
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
+                if (!ok[u]) {
+#pragma unroll
+                    for (int gi = 0; gi < kGB; ++gi) sc[u][gi] = NEG_INF;
+                } else if (scores != nullptr && li == 0) {
+                    const int t = base + u * kNS + slot;
 #pragma unroll
                     for (int gi = 0; gi < kGB; ++gi)
-                        if (gi < nh) scores[(size_t)(h0 + gi) * len + t] = sc[gi];
+                        if (gi < nh) scores[(size_t)(h0 + gi) * len + t] = sc[u][gi];
                 }
+            }
+            // One rescale per kU tokens: the max over the group first, then
+            // the accumulators are scaled once and the weights (in sc) added.
+            // NaN scores are kept out of the max but poison l and acc.
+#pragma unroll
+            for (int gi = 0; gi < kGB; ++gi) {
+                float mx = sc[0][gi];
+#pragma unroll
+                for (int u = 1; u < kU; ++u) mx = fmaxf(mx, sc[u][gi]);
+                const float mn = fmaxf(m[gi], mx);
+                const float corr = exp2f(m[gi] - mn);
+                float ps = 0.f;
+#pragma unroll
+                for (int u = 0; u < kU; ++u) {
+                    sc[u][gi] = exp2f(sc[u][gi] - mn);
+                    ps += sc[u][gi];
+                }
+                l[gi] = fmaf(l[gi], corr, ps);
+#pragma unroll
+                for (int i = 0; i < kEV; ++i) acc[gi][i] *= corr;
+                m[gi] = mn;
+            }
+#pragma unroll
+            for (int u = 0; u < kU; ++u) {
                 float vf[kEV];
 #pragma unroll
                 for (int e = 0; e < kE; ++e) unpack(vr[u][e], &vf[e * kVec]);
 #pragma unroll
                 for (int gi = 0; gi < kGB; ++gi) {
-                    // NaN scores are kept out of the max but poison l and acc.
-                    const float mn = fmaxf(m[gi], sc[gi]);
-                    const float corr = exp2f(m[gi] - mn);
-                    const float p = exp2f(sc[gi] - mn);
-                    l[gi] = fmaf(l[gi], corr, p);
 #pragma unroll
-                    for (int i = 0; i < kEV; ++i) acc[gi][i] = fmaf(p, vf[i], acc[gi][i] * corr);
-                    m[gi] = mn;
+                    for (int i = 0; i < kEV; ++i) acc[gi][i] = fmaf(sc[u][gi], vf[i], acc[gi][i]);
                 }
             }
         }

@@ -12,6 +12,92 @@
 
 __device__ __forceinline__ float canon(float x) { return x == POS_INF ? NEG_INF : x; }
 
+constexpr int kMP = 4;  // parts held in registers on the fast path
+constexpr int kMC = 2;  // float4 columns per lane on the fast path (d <= 256)
+
+// The fast path (d % 4 == 0, d <= 256, n_parts <= 4): every load of the row
+// (the parts' lse and outputs) is issued before any is used, so a warp has
+// up to 8 16-byte loads in flight per lane instead of one round trip per
+// part. Same special values as the general path below.
+__device__ __forceinline__ void merge_row_regs(
+    const float* __restrict__ parts_o, const float* __restrict__ parts_lse,
+    float* __restrict__ out, float* __restrict__ lse, int n_parts, int rows, int d,
+    int row, int lane)
+{
+    const size_t rstride = (size_t)rows * d;
+    const int d4 = d >> 2;
+    float lp[kMP];
+    float4 y[kMP][kMC];
+#pragma unroll
+    for (int i = 0; i < kMP; ++i) {
+        lp[i] = i < n_parts ? canon(parts_lse[(size_t)i * rows + row]) : NEG_INF;
+        const float4* prow = reinterpret_cast<const float4*>(parts_o + i * rstride + (size_t)row * d);
+#pragma unroll
+        for (int j = 0; j < kMC; ++j) {
+            const int c = lane + 32 * j;
+            y[i][j] = (i < n_parts && c < d4) ? prow[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+    }
+    float m = NEG_INF;
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < kMP; ++i) {
+        nan |= lp[i] != lp[i];
+        m = fmaxf(m, lp[i]);
+    }
+    float4* o4 = reinterpret_cast<float4*>(out + (size_t)row * d);
+    if (nan) {
+#pragma unroll
+        for (int j = 0; j < kMC; ++j) {
+            const int c = lane + 32 * j;
+            if (c < d4) o4[c] = make_float4(QNAN, QNAN, QNAN, QNAN);
+        }
+        if (lane == 0) lse[row] = QNAN;
+        return;
+    }
+    // Weights: the largest part's is exp(0) = 1 exactly (the first such part),
+    // the rest sum into `rest`; all-empty rows keep weight 0 everywhere.
+    float w[kMP];
+    float rest = 0.f;
+    bool seen = false;
+#pragma unroll
+    for (int i = 0; i < kMP; ++i) {
+        if (m != NEG_INF && lp[i] == m && !seen) {
+            w[i] = 1.f;
+            seen = true;
+        } else {
+            w[i] = lp[i] == NEG_INF ? 0.f : expf(lp[i] - m);
+            rest += w[i];
+        }
+    }
+    const float total = 1.f + rest;
+#pragma unroll
+    for (int j = 0; j < kMC; ++j) {
+        const int c = lane + 32 * j;
+        if (c >= d4) continue;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int i = 0; i < kMP; ++i) {
+            if (i >= n_parts) break;
+            const float ci = m == NEG_INF ? 0.f : w[i] / total;
+            const float4 v = y[i][j];
+            if (ci == 0.f) {
+                if (v.x != v.x) o.x = QNAN;
+                if (v.y != v.y) o.y = QNAN;
+                if (v.z != v.z) o.z = QNAN;
+                if (v.w != v.w) o.w = QNAN;
+            } else {
+                o.x = fmaf(ci, v.x, o.x);
+                o.y = fmaf(ci, v.y, o.y);
+                o.z = fmaf(ci, v.z, o.z);
+                o.w = fmaf(ci, v.w, o.w);
+            }
+        }
+        o4[c] = o;
+    }
+    if (lane == 0) lse[row] = m == NEG_INF ? NEG_INF : m + log1pf(rest);
+}
+
 // One warp per row (row = token * q_heads + head); 8 rows per 256-thread block.
 // parts_o [n_parts, rows, d], parts_lse [n_parts, rows]; out [rows, d], lse [rows].
 extern "C" __global__ void __launch_bounds__(256)
@@ -21,6 +107,10 @@ hgca_merge(const float* __restrict__ parts_o, const float* __restrict__ parts_ls
     const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;  // whole warps leave together; no shuffles below
+    if ((d & 3) == 0 && d <= 32 * 4 * kMC && n_parts <= kMP) {
+        merge_row_regs(parts_o, parts_lse, out, lse, n_parts, rows, d, row, lane);
+        return;
+    }
     const size_t rstride = (size_t)rows * d;
     float m = NEG_INF;
     int arg = -1;

@@ -119,15 +119,22 @@ impl KernelSpec {
     }
     /// Tokens each decode row loads per iteration: four when a row is
     /// exactly one 16-byte load per lane (d 64, 128, 256 in f16/bf16; 8 loads
-    /// in flight per lane), else two (ptxas spilled the 4-token form of
-    /// d 96 bf16 on sm_90).
+    /// in flight per lane) and a block serves at most 4 heads, else two
+    /// (ptxas spilled the 4-token form of d 96 bf16 and of f32 d 128 with 8
+    /// heads per block on sm_90).
     pub fn unroll(&self) -> usize {
         let per_row = self.head_dim / self.vec();
-        if self.vec() > 1 && per_row == self.lanes() {
+        if self.vec() > 1 && per_row == self.lanes() && self.heads_per_block <= 4 {
             4
         } else {
             2
         }
+    }
+    /// Decode blocks per multiprocessor that the kernel's registers must
+    /// allow (`__launch_bounds__`): 4 (at most 128 registers) on the
+    /// 4-token path, whose speed is bytes in flight; otherwise ptxas decides.
+    pub fn min_blocks(&self) -> usize {
+        if self.unroll() == 4 { 4 } else { 1 }
     }
     /// Independent token rows per decode block (each with its own online softmax).
     pub fn decode_slots(&self) -> usize {
@@ -151,7 +158,7 @@ impl KernelSpec {
         format!(
             "// hgca attention: dtype {}, d {}, {} heads per decode block\n\
              #define HGCA_DT {dt}\n#define HGCA_HD {}\n#define HGCA_VEC {}\n\
-             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n#define HGCA_U {}\n{}",
+             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n#define HGCA_U {}\n#define HGCA_MINB {}\n{}",
             self.dtype,
             self.head_dim,
             self.heads_per_block,
@@ -161,6 +168,7 @@ impl KernelSpec {
             self.loads_per_lane(),
             self.heads_per_block,
             self.unroll(),
+            self.min_blocks(),
             ATTENTION_CU
         )
     }
