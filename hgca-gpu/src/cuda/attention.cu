@@ -187,6 +187,25 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
     // bytes are in flight). The loop bound is block-uniform, so every lane
     // reaches the shuffles.
     for (int base = t_begin; base < t_end; base += kU * kNS) {
+        // The next iteration's K and V lines go to L2 now (no registers held):
+        // its loads below then wait for L2, not for DRAM.
+        {
+            constexpr int kRB = HD * (int)sizeof(kv_t);  // bytes per row
+            constexpr int kLPR = (kRB + 127) / 128;      // 128-byte lines per row
+            constexpr int kLines = kU * kNS * kLPR;      // lines of K (and of V) per iteration
+            const int nb = base + kU * kNS;
+            for (int i = threadIdx.x; i < 2 * kLines && nb < t_end; i += 128) {
+                const bool is_v = i >= kLines;
+                const int j = is_v ? i - kLines : i;
+                const int t = nb + j / kLPR;
+                if (t < t_end) {
+                    const char* p = reinterpret_cast<const char*>(
+                        (is_v ? vb : kb) + (size_t)ring_slot(start_slot, t, cap) * HD);
+                    p += min((j % kLPR) * 128, kRB - 1);  // stays inside the row
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+                }
+            }
+        }
         uint4 kr[kU][kE], vr[kU][kE];
         bool ok[kU];
 #pragma unroll
@@ -345,21 +364,42 @@ hgca_decode_combine(const float* __restrict__ part_o, const float* __restrict__ 
                     float* __restrict__ out, float* __restrict__ lse_out,
                     float* __restrict__ lse2_out, int splits, int q_heads)
 {
+    // 128 threads = 4 warps: max, NaN flag and weight sum of the splits are
+    // reduced across the block (fixed order: the same result every run).
+    __shared__ float red_m[4], red_w[4];
+    __shared__ int red_nan[4];
     const int h = blockIdx.x;
+    const int warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     float bm = NEG_INF;
     bool nan = false;
-    for (int s = 0; s < splits; ++s) {
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
         const float x = part_lse[(size_t)s * q_heads + h];
         nan |= x != x;
         bm = fmaxf(bm, x);
     }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) bm = fmaxf(bm, __shfl_xor_sync(FULL_MASK, bm, off));
+    nan = __any_sync(FULL_MASK, nan);
+    if (lane == 0) {
+        red_m[warp] = bm;
+        red_nan[warp] = nan ? 1 : 0;
+    }
+    __syncthreads();
+    bm = fmaxf(fmaxf(red_m[0], red_m[1]), fmaxf(red_m[2], red_m[3]));
+    nan = (red_nan[0] | red_nan[1] | red_nan[2] | red_nan[3]) != 0;
     float w = 0.f;
     if (!nan && bm != NEG_INF) {
-        for (int s = 0; s < splits; ++s) {
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) {
             const float x = part_lse[(size_t)s * q_heads + h];
             w += x == NEG_INF ? 0.f : exp2f(x - bm);
         }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) w += __shfl_xor_sync(FULL_MASK, w, off);
     }
+    if (lane == 0) red_w[warp] = w;
+    __syncthreads();
+    w = (red_w[0] + red_w[1]) + (red_w[2] + red_w[3]);
     for (int c = threadIdx.x; c < HD; c += blockDim.x) {
         float o;
         if (nan) {
@@ -368,6 +408,8 @@ hgca_decode_combine(const float* __restrict__ part_o, const float* __restrict__ 
             o = 0.f;
         } else {
             o = 0.f;
+            // Independent loads across splits: several in flight per thread.
+#pragma unroll 8
             for (int s = 0; s < splits; ++s) {
                 const float x = part_lse[(size_t)s * q_heads + h];
                 const float ws = x == NEG_INF ? 0.f : exp2f(x - bm);
