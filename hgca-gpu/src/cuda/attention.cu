@@ -187,25 +187,6 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
     // bytes are in flight). The loop bound is block-uniform, so every lane
     // reaches the shuffles.
     for (int base = t_begin; base < t_end; base += kU * kNS) {
-        // The next iteration's K and V lines go to L2 now (no registers held):
-        // its loads below then wait for L2, not for DRAM.
-        {
-            constexpr int kRB = HD * (int)sizeof(kv_t);  // bytes per row
-            constexpr int kLPR = (kRB + 127) / 128;      // 128-byte lines per row
-            constexpr int kLines = kU * kNS * kLPR;      // lines of K (and of V) per iteration
-            const int nb = base + kU * kNS;
-            for (int i = threadIdx.x; i < 2 * kLines && nb < t_end; i += 128) {
-                const bool is_v = i >= kLines;
-                const int j = is_v ? i - kLines : i;
-                const int t = nb + j / kLPR;
-                if (t < t_end) {
-                    const char* p = reinterpret_cast<const char*>(
-                        (is_v ? vb : kb) + (size_t)ring_slot(start_slot, t, cap) * HD);
-                    p += min((j % kLPR) * 128, kRB - 1);  // stays inside the row
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-                }
-            }
-        }
         uint4 kr[kU][kE], vr[kU][kE];
         bool ok[kU];
 #pragma unroll
