@@ -177,8 +177,26 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
                 out.buf[h * out.stride + done..h * out.stride + done + n]
                     .copy_from_slice(&row[..n]);
             }
-            let bm = row[..n].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            // Block max, vectorised (a scalar fold is a 32-long latency chain;
+            // this alone took the kernel from ~62 to ~43 ns per row in L2).
+            // `row[n..]` is -inf, so whole vectors can be used. The sum
+            // detects a NaN score (max instructions may drop NaN).
+            let mut vm = s.splat_f32s(f32::NEG_INFINITY);
+            let mut vs = s.splat_f32s(0.0);
+            for c in row.chunks_exact(S::F32_LANES) {
+                let x = load(s, c);
+                vm = s.max_f32s(vm, x);
+                vs = s.add_f32s(vs, x);
+            }
             let r = &mut run[h];
+            if s.reduce_sum_f32s(vs).is_nan() {
+                // A NaN score (NaN in q or k) poisons the head, as in the
+                // reference: NaN weights, NaN output, NaN lse.
+                row.fill(f32::NAN);
+                r.l = f32::NAN;
+                continue;
+            }
+            let bm = s.reduce_max_f32s(vm);
             if bm > r.m {
                 let alpha = (r.m - bm).exp();
                 r.l *= alpha;

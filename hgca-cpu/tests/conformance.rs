@@ -200,6 +200,69 @@ fn threshold_case(
     )
 }
 
+/// A NaN in one key of KV head 1: every query head of that group gets a
+/// NaN output and lse when the token is attended (sparse and dense), and
+/// nothing changes when it is not; the other group stays exact.
+fn nan_case(b: &CpuBackend) {
+    let shape = AttnShape::new(8, 2, 20).unwrap();
+    let tokens = 70;
+    let mut p = Problem::<f32>::random(shape, tokens, 2.0, 11);
+    let clean = Problem::<f32>::random(shape, tokens, 2.0, 11);
+    let bad = tokens * 20 + 7 * 20 + 3; // KV head 1, token 7, element 3
+    p.k[bad] = f32::NAN;
+    let layout = PartialLayout::decode(&shape);
+    let all = Selection::all(2, tokens);
+    let without: Vec<u32> = (0..tokens as u32).filter(|&j| j != 7).collect();
+    let skip = Selection::from_heads(&[(0..tokens as u32).collect(), without.clone()]);
+    let clean_skip = Selection::from_heads(&[(0..tokens as u32).collect(), without]);
+    let mut out = Partial::poisoned(layout);
+    let mut reference = Partial::poisoned(layout);
+    for dense in [false, true] {
+        if dense {
+            b.dense_decode(&shape, &p.q, &p.kv(), out.as_mut(), None)
+                .unwrap();
+        } else {
+            b.sparse_decode(&shape, &p.q, &p.kv(), &all, out.as_mut(), None)
+                .unwrap();
+        }
+        b.sparse_decode(
+            &shape,
+            &clean.q,
+            &clean.kv(),
+            &all,
+            reference.as_mut(),
+            None,
+        )
+        .unwrap();
+        for h in 0..8 {
+            let row = &out.out()[h * 20..(h + 1) * 20];
+            if h < 4 {
+                assert_eq!(row, &reference.out()[h * 20..(h + 1) * 20], "head {h}");
+                assert_eq!(out.lse()[h], reference.lse()[h]);
+            } else {
+                assert!(
+                    row.iter().all(|x| x.is_nan()),
+                    "dense {dense} head {h}: {row:?}"
+                );
+                assert!(out.lse()[h].is_nan(), "dense {dense} head {h}");
+            }
+        }
+    }
+    b.sparse_decode(&shape, &p.q, &p.kv(), &skip, out.as_mut(), None)
+        .unwrap();
+    b.sparse_decode(
+        &shape,
+        &clean.q,
+        &clean.kv(),
+        &clean_skip,
+        reference.as_mut(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(out.out(), reference.out());
+    assert_eq!(out.lse(), reference.lse());
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
@@ -207,6 +270,15 @@ macro_rules! isa_suite {
 
             fn pars() -> Vec<Par> {
                 vec![Par::Seq, Par::Rayon(2), Par::Rayon(3)]
+            }
+
+            #[test]
+            fn nan_key_poisons_only_its_group_when_attended() {
+                for par in pars() {
+                    if let Some(b) = backend($kind, par) {
+                        nan_case(&b);
+                    }
+                }
             }
 
             #[test]
