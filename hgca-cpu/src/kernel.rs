@@ -277,8 +277,27 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
             }
             c += lanes;
         }
+        // The 2H horizontal sums, four at a time (padded with zeros).
+        let mut sums = [0.0f32; 8];
+        let zero = s.splat_f32s(0.0);
+        let mut i = 0;
+        while i < 2 * H {
+            let pick = |k: usize| {
+                let k = i + k;
+                if k < H {
+                    a0[k]
+                } else if k < 2 * H {
+                    a1[k - H]
+                } else {
+                    zero
+                }
+            };
+            let r = s.reduce_sum4([pick(0), pick(1), pick(2), pick(3)]);
+            sums[i..i + 4].copy_from_slice(&r);
+            i += 4;
+        }
         for h in 0..H {
-            let (mut x, mut y) = (s.reduce_sum_f32s(a0[h]), s.reduce_sum_f32s(a1[h]));
+            let (mut x, mut y) = (sums[h], sums[H + h]);
             for t in full..d {
                 x += k0[t].to_f32() * qh[h][t];
                 y += k1[t].to_f32() * qh[h][t];
