@@ -191,6 +191,43 @@ impl CpuBackend {
         }
     }
 
+    /// Runs `f(i, chunk)` on the `chunk`-long pieces of `data` (the last may
+    /// be shorter), on this backend's threads (in order on one thread with
+    /// [`Par::Seq`]). For callers' own per-head work beside the kernels,
+    /// e.g. the MAW updates of the hybrid layer.
+    ///
+    /// ```
+    /// use hgca_cpu::CpuBackend;
+    /// let mut v = vec![1.0f32; 10];
+    /// CpuBackend::new().for_chunks(&mut v, 4, |i, c| c.iter_mut().for_each(|x| *x += i as f32));
+    /// assert_eq!(v, [1., 1., 1., 1., 2., 2., 2., 2., 3., 3.]);
+    /// ```
+    pub fn for_chunks<T: Send>(
+        &self,
+        data: &mut [T],
+        chunk: usize,
+        f: impl Fn(usize, &mut [T]) + Sync,
+    ) {
+        use rayon::prelude::*;
+        let chunk = chunk.max(1);
+        if matches!(self.par, Par::Seq) || data.len() <= chunk {
+            data.chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, c)| f(i, c));
+            return;
+        }
+        let f = &f;
+        let mut go = move || {
+            data.par_chunks_mut(chunk)
+                .enumerate()
+                .for_each(|(i, c)| f(i, c))
+        };
+        match &self.pool {
+            Some(p) => p.install(go),
+            None => go(),
+        }
+    }
+
     /// Dense decode attention of `q [q_heads, d]` over every token of `kv`.
     /// `weights`, if given, receives `[q_heads, tokens]`.
     ///

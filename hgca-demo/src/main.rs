@@ -34,6 +34,10 @@ struct Args {
     backend: String,
     json: bool,
     out: String,
+    batch: usize,
+    gpu_gib: f64,
+    layers: usize,
+    block_set: bool,
 }
 
 fn parse() -> std::result::Result<Args, String> {
@@ -49,6 +53,10 @@ fn parse() -> std::result::Result<Args, String> {
         backend: "auto".into(),
         json: false,
         out: "target/hgca-sweep.svg".into(),
+        batch: 1,
+        gpu_gib: 16.0,
+        layers: 32,
+        block_set: false,
     };
     let mut it = std::env::args().skip(1).peekable();
     if let Some(c) = it.peek().filter(|c| !c.starts_with("--")).cloned() {
@@ -61,7 +69,13 @@ fn parse() -> std::result::Result<Args, String> {
         match flag.as_str() {
             "--context" => a.context = num(val()?)? as usize,
             "--window-ratio" => a.window_ratio = num(val()?)?,
-            "--block" => a.block = num(val()?)? as usize,
+            "--block" => {
+                a.block = num(val()?)? as usize;
+                a.block_set = true;
+            }
+            "--batch" => a.batch = num(val()?)? as usize,
+            "--gpu-gib" => a.gpu_gib = num(val()?)?,
+            "--layers" => a.layers = num(val()?)? as usize,
             "--beta" => a.beta = num(val()?)? as f32,
             "--steps" => a.steps = num(val()?)? as usize,
             "--backend" => a.backend = val()?,
@@ -485,6 +499,43 @@ fn sweep(a: &Args) -> Result<()> {
     Ok(())
 }
 
+/// The memory planner: window and block for a GPU budget.
+fn plan(a: &Args) -> Result<()> {
+    use hgca_hybrid::planner::{ModelShape, PlanRequest, plan};
+    let model = ModelShape {
+        layers: a.layers,
+        q_heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        dtype: DType::F16,
+    };
+    let mut r = PlanRequest::new(
+        model,
+        a.batch,
+        a.context,
+        (a.gpu_gib * (1u64 << 30) as f64) as u64,
+    );
+    r.block = a.block_set.then_some(a.block);
+    let p = plan(&r)?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    println!(
+        "plan: {} layers x q32/kv8/d128 f16, batch {}, context {} tokens, GPU budget {:.2} GiB",
+        a.layers, a.batch, a.context, a.gpu_gib
+    );
+    println!(
+        "  window {} tokens per sequence and layer (ratio {:.3}), block {}",
+        p.window, p.window_ratio, p.block
+    );
+    println!(
+        "  GPU: {:.2} GiB ({:.3} GiB of it per-step scratch); CPU store: {} tokens per sequence, {:.2} GiB",
+        gib(p.gpu_bytes),
+        gib(p.gpu_scratch_bytes),
+        p.cpu_tokens,
+        gib(p.cpu_bytes)
+    );
+    Ok(())
+}
+
 fn main() {
     let a = match parse() {
         Ok(a) => a,
@@ -497,6 +548,7 @@ fn main() {
         "hybrid" => hybrid(&a),
         "harness" => harness(&a),
         "sweep" => sweep(&a),
+        "plan" => plan(&a),
         other => {
             eprintln!("unknown command {other}\n{}", include_str!("usage.txt"));
             std::process::exit(2);

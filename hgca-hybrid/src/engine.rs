@@ -547,26 +547,34 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let (group, cap) = (s.group(), self.cfg.window);
         let a = self.alpha.get();
         let n_win = self.window.len();
+        // Window entries: one fused pass per KV head (group mean of the
+        // union-normalised weights into the MAW), the heads on the CPU
+        // backend's threads. The ring holds logical token j at slot
+        // (win_head + j) % cap.
+        let head = self.win_head;
+        let f: Vec<f32> = (0..s.q_heads())
+            .map(|h| (gpu.lse()[h] - lse[h]).exp() / group as f32)
+            .collect();
+        self.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
+            let fg = &f[g * group..(g + 1) * group];
+            // maw = a maw + (1 - a) sum_i f_i w_i, as vectorisable passes.
+            let run = |dst: &mut [f32], j0: usize| {
+                dst.iter_mut().for_each(|x| *x *= a);
+                for (i, &fi) in fg.iter().enumerate() {
+                    let c = (1.0 - a) * fi;
+                    let src = &gpu_w[(g * group + i) * n_win + j0..][..dst.len()];
+                    for (x, &w) in dst.iter_mut().zip(src) {
+                        *x += c * w;
+                    }
+                }
+            };
+            let first = (cap - head).min(n_win);
+            let (wrapped, tail) = ring.split_at_mut(head);
+            run(&mut tail[..first], 0);
+            run(&mut wrapped[..n_win - first], first);
+        });
         let mut mean = std::mem::take(&mut self.mean);
         for g in 0..s.kv_heads() {
-            // Window entries.
-            mean.clear();
-            mean.resize(n_win, 0.0f32);
-            for i in 0..group {
-                let h = g * group + i;
-                let f = (gpu.lse()[h] - lse[h]).exp() / group as f32;
-                for (m, &w) in mean.iter_mut().zip(&gpu_w[h * n_win..(h + 1) * n_win]) {
-                    *m += w * f;
-                }
-            }
-            // The ring holds logical token j at slot (win_head + j) % cap: two runs.
-            let ring = &mut self.win_maw[g * cap..(g + 1) * cap];
-            let first = (cap - self.win_head).min(n_win);
-            let (m1, m2) = mean.split_at(first);
-            let (tail, head) = ring.split_at_mut(self.win_head);
-            for (m, &w) in head.iter_mut().zip(m1).chain(tail.iter_mut().zip(m2)) {
-                *m = a * *m + (1.0 - a) * w;
-            }
             // CPU entries that were attended.
             let idx = self.sel.head(g);
             mean.clear();

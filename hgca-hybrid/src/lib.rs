@@ -10,6 +10,7 @@
 
 mod engine;
 mod full;
+pub mod planner;
 pub mod synthetic;
 
 pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};

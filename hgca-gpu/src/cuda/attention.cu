@@ -11,6 +11,7 @@
 //   HGCA_GB     query heads per decode block (one K/V load serves all of them)
 //   HGCA_U      tokens per row per decode iteration (their loads are in flight together)
 //   HGCA_MINB   decode blocks per multiprocessor the registers must allow (launch bounds)
+//   HGCA_ASYNC  1: the decode loop stages K/V in shared memory with cp.async (sm_80+)
 //
 // No CUDA header is needed: f16/bf16 are widened by hand (cvt / shift), all
 // arithmetic is f32. Scores are kept in the log2 domain (q is pre-scaled by
@@ -41,6 +42,10 @@ constexpr int kWarps = 4;
 constexpr int kNS = kWarps * kR;
 constexpr int kGB = HGCA_GB;
 constexpr int kU = HGCA_U;
+constexpr int kTI = kU * kNS;  // tokens per decode iteration
+constexpr int kStages = 3;                          // cp.async pipeline depth
+constexpr int kPieces = HD * (int)sizeof(kv_t) / 16;  // 16-byte pieces per row (async path)
+constexpr int kChunks = 2 * kTI * kPieces;          // 16-byte copies per stage
 
 static_assert(HD % kVec == 0, "vector width must divide d");
 static_assert(kVec == 1 || kVec * sizeof(kv_t) == 16, "vector loads are 16 bytes");
@@ -48,6 +53,7 @@ static_assert(kL >= 1 && kL <= 32 && (kL & (kL - 1)) == 0, "lanes per row: power
 static_assert(kE * kL >= kNv, "lanes cover a row");
 static_assert(kGB >= 1 && kGB <= 8, "heads per block");
 static_assert(kU >= 1 && kU <= 8, "tokens per row and iteration");
+static_assert(!HGCA_ASYNC || (kVec > 1 && HD * sizeof(kv_t) % 16 == 0), "async rows are 16-byte pieces");
 
 __device__ __forceinline__ float f16_bits_to_f32(unsigned int h) {
     float f;
@@ -119,6 +125,107 @@ __device__ __forceinline__ int ring_slot(int start_slot, int t, int cap) {
     return s >= cap ? s - cap : s;
 }
 
+// One decode iteration of a row: tokens base + u * kNS + slot (u < kU).
+// load_k(u, e) / load_v(u, e) give the lane's e-th 16-byte vector of
+// token u's K / V row (zeros past the end). Scores, one online-softmax
+// rescale per kU tokens, and the V accumulation for all kGB heads.
+// Every lane of the warp must call it (shuffles).
+template <typename LK, typename LV>
+__device__ __forceinline__ void decode_iter(
+    int base, int t_end, int slot, int li, int nh, int h0, int len, float* __restrict__ scores,
+    const float (&qr)[kGB][kEV], float (&m)[kGB], float (&l)[kGB], float (&acc)[kGB][kEV],
+    LK load_k, LV load_v)
+{
+    // Scores of the kU tokens (the shuffles of all of them in flight together).
+    float sc[kU][kGB];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        float kf[kEV];
+#pragma unroll
+        for (int e = 0; e < kE; ++e) unpack(load_k(u, e), &kf[e * kVec]);
+#pragma unroll
+        for (int gi = 0; gi < kGB; ++gi) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < kEV; ++i) s = fmaf(qr[gi][i], kf[i], s);
+            sc[u][gi] = s;
+        }
+    }
+#pragma unroll
+    for (int off = kL / 2; off > 0; off >>= 1) {
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+#pragma unroll
+            for (int gi = 0; gi < kGB; ++gi)
+                sc[u][gi] += __shfl_xor_sync(FULL_MASK, sc[u][gi], off);
+        }
+    }
+    // Token u is in range iff base + u * kNS + slot < t_end: monotone in u,
+    // so a row with no token here skips the update.
+    if (base + slot >= t_end) return;
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        const int t = base + u * kNS + slot;
+        if (t >= t_end) {
+#pragma unroll
+            for (int gi = 0; gi < kGB; ++gi) sc[u][gi] = NEG_INF;
+        } else if (scores != nullptr && li == 0) {
+#pragma unroll
+            for (int gi = 0; gi < kGB; ++gi)
+                if (gi < nh) scores[(size_t)(h0 + gi) * len + t] = sc[u][gi];
+        }
+    }
+    // One rescale per kU tokens: the max over the group first, then the
+    // accumulators are scaled once and the weights (in sc) added.
+    // NaN scores are kept out of the max but poison l and acc.
+#pragma unroll
+    for (int gi = 0; gi < kGB; ++gi) {
+        float mx = sc[0][gi];
+#pragma unroll
+        for (int u = 1; u < kU; ++u) mx = fmaxf(mx, sc[u][gi]);
+        const float mn = fmaxf(m[gi], mx);
+        const float corr = exp2f(m[gi] - mn);
+        float ps = 0.f;
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+            sc[u][gi] = exp2f(sc[u][gi] - mn);
+            ps += sc[u][gi];
+        }
+        l[gi] = fmaf(l[gi], corr, ps);
+#pragma unroll
+        for (int i = 0; i < kEV; ++i) acc[gi][i] *= corr;
+        m[gi] = mn;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+        float vf[kEV];
+#pragma unroll
+        for (int e = 0; e < kE; ++e) unpack(load_v(u, e), &vf[e * kVec]);
+#pragma unroll
+        for (int gi = 0; gi < kGB; ++gi) {
+#pragma unroll
+            for (int i = 0; i < kEV; ++i) acc[gi][i] = fmaf(sc[u][gi], vf[i], acc[gi][i]);
+        }
+    }
+}
+
+// cp.async (sm_80+): a 16-byte global -> shared copy that zero-fills when
+// src_bytes is 0 (rows past the end); commit / wait group the copies.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+    unsigned long long a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)a), "l"(src),
+                 "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ---------------------------------------------------------------------------
 // Split-K decode. Grid (splits, kv_heads, ceil(group / kGB)), 128 threads.
 //
@@ -140,7 +247,7 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
                   int cap, int start_slot, int len, int chunk, int group,
                   int q_heads, float qscale)
 {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     const int split = blockIdx.x;
     const int g = blockIdx.y;
     const int warp = threadIdx.x >> 5;
@@ -182,22 +289,68 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
     const int t_begin = split * chunk;
     const int t_end = min(len, t_begin + chunk);
 
+#if HGCA_ASYNC && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    // K and V of kTI tokens per iteration are copied into shared memory by
+    // cp.async, kStages - 1 iterations ahead: the bytes in flight are not
+    // bounded by registers, and the loads overlap the arithmetic.
+    const int n_it = t_end > t_begin ? (t_end - t_begin + kTI - 1) / kTI : 0;  // block-uniform
+    kv_t* const stages = reinterpret_cast<kv_t*>(smem);
+    auto issue = [&](int it) {
+        kv_t* dst = stages + (size_t)(it % kStages) * 2 * kTI * HD;
+        const int tb = t_begin + it * kTI;
+        for (int c = threadIdx.x; c < kChunks; c += blockDim.x) {
+            const int r = c / kPieces;        // row of the stage: K rows, then V rows
+            const int piece = c - r * kPieces;
+            const bool is_v = r >= kTI;
+            const int j = is_v ? r - kTI : r;
+            const int t = tb + j;
+            const bool ok = t < t_end;
+            const kv_t* src = (is_v ? vb : kb) + (size_t)ring_slot(start_slot, ok ? t : 0, cap) * HD;
+            cp_async16(dst + (size_t)r * HD + piece * kVec, src + piece * kVec, ok ? 16 : 0);
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+        if (st < n_it) issue(st);
+        cp_async_commit();
+    }
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait<kStages - 2>();  // this thread's copies of stage `it` landed
+        __syncthreads();               // everyone's; and stage it - 1 is free again
+        if (it + kStages - 1 < n_it) issue(it + kStages - 1);
+        cp_async_commit();
+        const kv_t* st = stages + (size_t)(it % kStages) * 2 * kTI * HD;
+        const int base = t_begin + it * kTI;
+        decode_iter(base, t_end, slot, li, nh, h0, len, scores, qr, m, l, acc,
+            [&](int u, int e) {
+                const int vi = e * kL + li;
+                return vi < kNv ? *reinterpret_cast<const uint4*>(st + (size_t)(u * kNS + slot) * HD + vi * kVec)
+                                : make_uint4(0u, 0u, 0u, 0u);
+            },
+            [&](int u, int e) {
+                const int vi = e * kL + li;
+                return vi < kNv ? *reinterpret_cast<const uint4*>(st + (size_t)(kTI + u * kNS + slot) * HD + vi * kVec)
+                                : make_uint4(0u, 0u, 0u, 0u);
+            });
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the stages' memory is the merge scratch below
+#else
     // kU tokens per row and iteration: 2 kU kE 16-byte loads in flight per
     // lane, all issued before the first is used (decode is bound by how many
     // bytes are in flight). The loop bound is block-uniform, so every lane
     // reaches the shuffles.
     for (int base = t_begin; base < t_end; base += kU * kNS) {
         uint4 kr[kU][kE], vr[kU][kE];
-        bool ok[kU];
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
             const int t = base + u * kNS + slot;
-            ok[u] = t < t_end;
-            const size_t row = (size_t)ring_slot(start_slot, ok[u] ? t : 0, cap) * HD;
+            const bool ok = t < t_end;
+            const size_t row = (size_t)ring_slot(start_slot, ok ? t : 0, cap) * HD;
 #pragma unroll
             for (int e = 0; e < kE; ++e) {
                 const int vi = e * kL + li;
-                if (ok[u] && vi < kNv) {
+                if (ok && vi < kNv) {
                     kr[u][e] = load_vec(kb + row + vi * kVec);
                     vr[u][e] = load_vec(vb + row + vi * kVec);
                 } else {
@@ -206,78 +359,11 @@ hgca_decode_split(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
                 }
             }
         }
-        // Scores of the kU tokens (the shuffles of all of them in flight together).
-        float sc[kU][kGB];
-#pragma unroll
-        for (int u = 0; u < kU; ++u) {
-            float kf[kEV];
-#pragma unroll
-            for (int e = 0; e < kE; ++e) unpack(kr[u][e], &kf[e * kVec]);
-#pragma unroll
-            for (int gi = 0; gi < kGB; ++gi) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < kEV; ++i) s = fmaf(qr[gi][i], kf[i], s);
-                sc[u][gi] = s;
-            }
-        }
-#pragma unroll
-        for (int off = kL / 2; off > 0; off >>= 1) {
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-#pragma unroll
-                for (int gi = 0; gi < kGB; ++gi)
-                    sc[u][gi] += __shfl_xor_sync(FULL_MASK, sc[u][gi], off);
-            }
-        }
-        // ok[u] is monotone in u: a row with no token here skips the update.
-        if (ok[0]) {
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                if (!ok[u]) {
-#pragma unroll
-                    for (int gi = 0; gi < kGB; ++gi) sc[u][gi] = NEG_INF;
-                } else if (scores != nullptr && li == 0) {
-                    const int t = base + u * kNS + slot;
-#pragma unroll
-                    for (int gi = 0; gi < kGB; ++gi)
-                        if (gi < nh) scores[(size_t)(h0 + gi) * len + t] = sc[u][gi];
-                }
-            }
-            // One rescale per kU tokens: the max over the group first, then
-            // the accumulators are scaled once and the weights (in sc) added.
-            // NaN scores are kept out of the max but poison l and acc.
-#pragma unroll
-            for (int gi = 0; gi < kGB; ++gi) {
-                float mx = sc[0][gi];
-#pragma unroll
-                for (int u = 1; u < kU; ++u) mx = fmaxf(mx, sc[u][gi]);
-                const float mn = fmaxf(m[gi], mx);
-                const float corr = exp2f(m[gi] - mn);
-                float ps = 0.f;
-#pragma unroll
-                for (int u = 0; u < kU; ++u) {
-                    sc[u][gi] = exp2f(sc[u][gi] - mn);
-                    ps += sc[u][gi];
-                }
-                l[gi] = fmaf(l[gi], corr, ps);
-#pragma unroll
-                for (int i = 0; i < kEV; ++i) acc[gi][i] *= corr;
-                m[gi] = mn;
-            }
-#pragma unroll
-            for (int u = 0; u < kU; ++u) {
-                float vf[kEV];
-#pragma unroll
-                for (int e = 0; e < kE; ++e) unpack(vr[u][e], &vf[e * kVec]);
-#pragma unroll
-                for (int gi = 0; gi < kGB; ++gi) {
-#pragma unroll
-                    for (int i = 0; i < kEV; ++i) acc[gi][i] = fmaf(sc[u][gi], vf[i], acc[gi][i]);
-                }
-            }
-        }
+        decode_iter(base, t_end, slot, li, nh, h0, len, scores, qr, m, l, acc,
+                    [&](int u, int e) { return kr[u][e]; },
+                    [&](int u, int e) { return vr[u][e]; });
     }
+#endif
 
     // Merge the block's kNS rows.
     float* sm_m = smem;                 // [kNS][kGB]
@@ -451,7 +537,7 @@ hgca_append(const kv_t* __restrict__ kc, const kv_t* __restrict__ vc,
             float* __restrict__ lse_out, int cap, int start_slot, int len,
             long long rel, int n_q, int group, int q_heads, float qscale)
 {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) float smem[];
     float* sq = smem;                        // [16][HD]
     float* skv = sq + kAppRows * HD;         // [32][kPitch]
     const int g = blockIdx.y;

@@ -19,6 +19,8 @@ use super::spec::{APPEND_ROWS, BLOCK_THREADS, KernelSpec, MERGE_CU};
 
 const BACKEND: &str = "cuda";
 const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// Weights (f32 elements) from which `wait` copies them out on several threads.
+const PAR_COPY_MIN: usize = 1 << 18;
 /// Largest window: ring indices stay below 2^31 in the kernels' `int`s.
 const MAX_CAPACITY: usize = 1 << 30;
 
@@ -1147,7 +1149,17 @@ impl DenseAttention for CudaBackend {
         o.copy_from_slice(&data[..no]);
         l.copy_from_slice(&data[no..no + nl]);
         if let Some(w) = weights {
-            w.copy_from_slice(&data[no + nl..no + nl + n_w]);
+            let src = &data[no + nl..no + nl + n_w];
+            if n_w >= PAR_COPY_MIN {
+                // Window weights run to megabytes at long windows; one core
+                // copying them out was most of a hybrid step's dense wait.
+                use rayon::prelude::*;
+                w.par_chunks_mut(PAR_COPY_MIN / 4)
+                    .zip(src.par_chunks(PAR_COPY_MIN / 4))
+                    .for_each(|(d, s)| d.copy_from_slice(s));
+            } else {
+                w.copy_from_slice(src);
+            }
         }
         drop(pending.work);
         self.dev.give_pinned(host);

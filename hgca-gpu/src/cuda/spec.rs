@@ -34,6 +34,8 @@ pub const MAX_HEAD_DIM: usize = 512;
 pub const BLOCK_THREADS: u32 = 128;
 /// Query rows per append block.
 pub const APPEND_ROWS: usize = 16;
+/// Depth of the decode kernel's cp.async pipeline (`kStages` in attention.cu).
+pub const DECODE_STAGES: usize = 3;
 
 /// One specialisation of [`ATTENTION_CU`]: storage dtype, head dim and the
 /// number of query heads a decode block serves from one K/V load.
@@ -136,13 +138,31 @@ impl KernelSpec {
     pub fn min_blocks(&self) -> usize {
         if self.unroll() == 4 { 4 } else { 1 }
     }
+    /// Whether the decode loop stages K/V in shared memory with cp.async
+    /// (`kStages` iterations of `unroll * decode_slots` tokens; sm_80+, the
+    /// 4-token specs, whose rows are whole 16-byte pieces).
+    pub fn staged(&self) -> bool {
+        self.unroll() == 4
+    }
     /// Independent token rows per decode block (each with its own online softmax).
     pub fn decode_slots(&self) -> usize {
         (BLOCK_THREADS as usize / 32) * (32 / self.lanes())
     }
     /// Dynamic shared memory of the decode kernel, bytes.
     pub fn decode_smem_bytes(&self) -> usize {
-        4 * self.decode_slots() * self.heads_per_block * (self.head_dim + 2)
+        let merge = 4 * self.decode_slots() * self.heads_per_block * (self.head_dim + 2);
+        if self.staged() {
+            // The merge scratch reuses the stages after the loop.
+            let stages = DECODE_STAGES
+                * 2
+                * self.unroll()
+                * self.decode_slots()
+                * self.head_dim
+                * self.dtype.size();
+            merge.max(stages)
+        } else {
+            merge
+        }
     }
     /// Dynamic shared memory of the append kernel, bytes.
     pub fn append_smem_bytes(&self) -> usize {
@@ -158,7 +178,7 @@ impl KernelSpec {
         format!(
             "// hgca attention: dtype {}, d {}, {} heads per decode block\n\
              #define HGCA_DT {dt}\n#define HGCA_HD {}\n#define HGCA_VEC {}\n\
-             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n#define HGCA_U {}\n#define HGCA_MINB {}\n{}",
+             #define HGCA_LANES {}\n#define HGCA_E {}\n#define HGCA_GB {}\n#define HGCA_U {}\n#define HGCA_MINB {}\n#define HGCA_ASYNC {}\n{}",
             self.dtype,
             self.head_dim,
             self.heads_per_block,
@@ -169,6 +189,7 @@ impl KernelSpec {
             self.heads_per_block,
             self.unroll(),
             self.min_blocks(),
+            u8::from(self.staged()),
             ATTENTION_CU
         )
     }
