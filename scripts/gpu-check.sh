@@ -79,6 +79,14 @@ if [ -x "$pack/cuda-tests" ] && [ -x "$pack/cuda-bench" ]; then
     log "timing decode and merge"
     "$pack/cuda-bench" 2>&1 | tee "$logs/cuda_bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed bench"
+    # The shared-memory staged decode loop (opt-in until it has passed here).
+    log "staged decode (HGCA_CUDA_STAGED=1): conformance and timing"
+    mkdir -p "$logs/staged"
+    HGCA_CUDA_STAGED=1 "$pack/cuda-tests" --nocapture > "$logs/staged/cuda_tests.log" 2>&1 \
+        || failed="$failed staged_tests"
+    grep -E "^test |test result" "$logs/staged/cuda_tests.log" | tail -10
+    HGCA_CUDA_STAGED=1 OUT="$logs/staged" "$pack/cuda-bench" 2>&1 | tee "$logs/staged/cuda_bench.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed staged_bench"
     if [ -x "$pack/hgca-demo" ]; then
         for ctx in 131072 32768; do
             log "hybrid decode, CUDA dense + CPU sparse, context $ctx"

@@ -102,6 +102,12 @@ fn specs() -> Vec<KernelSpec> {
     ] {
         v.push(KernelSpec::new(dtype, d, group).unwrap());
     }
+    // The shared-memory staged decode loop (opt-in) compiles without spills too.
+    for dtype in DType::ALL {
+        for d in [64, 128, 256] {
+            v.push(KernelSpec::new(dtype, d, 4).unwrap().with_staged(true));
+        }
+    }
     v
 }
 
@@ -123,7 +129,13 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
         .into_iter()
         .map(|s| {
             (
-                format!("{}-d{}-gb{}", s.dtype(), s.head_dim(), s.heads_per_block()),
+                format!(
+                    "{}-d{}-gb{}{}",
+                    s.dtype(),
+                    s.head_dim(),
+                    s.heads_per_block(),
+                    if s.staged() { "-st" } else { "" }
+                ),
                 s.source(),
                 &ATTENTION_KERNELS[..],
             )

@@ -53,6 +53,7 @@ pub struct KernelSpec {
     dtype: DType,
     head_dim: usize,
     heads_per_block: usize,
+    staged: bool,
 }
 
 impl KernelSpec {
@@ -80,11 +81,23 @@ impl KernelSpec {
             dtype,
             head_dim,
             heads_per_block: 1,
+            staged: false,
         };
         // q and the accumulators of all heads of a block live in registers:
         // 2 * heads * (loads * vec) floats per lane, at most 64.
         s.heads_per_block = group.min((32 / s.elems_per_lane()).clamp(1, 8));
+        // The staged decode loop has been compiled (NVRTC, ptxas: no spills)
+        // but not yet run on a GPU: opt in with HGCA_CUDA_STAGED=1 until a
+        // device check has passed the conformance suite with it.
+        s.staged = std::env::var("HGCA_CUDA_STAGED").is_ok_and(|v| v == "1");
         Ok(s)
+    }
+
+    /// The same specialisation with the shared-memory staged decode loop
+    /// on or off (it applies to the 4-token specs only, see [`KernelSpec::staged`]).
+    pub fn with_staged(mut self, on: bool) -> Self {
+        self.staged = on;
+        self
     }
     /// KV storage type.
     pub fn dtype(&self) -> DType {
@@ -140,9 +153,10 @@ impl KernelSpec {
     }
     /// Whether the decode loop stages K/V in shared memory with cp.async
     /// (`kStages` iterations of `unroll * decode_slots` tokens; sm_80+, the
-    /// 4-token specs, whose rows are whole 16-byte pieces).
+    /// 4-token specs, whose rows are whole 16-byte pieces). Off unless asked
+    /// for ([`KernelSpec::with_staged`], or `HGCA_CUDA_STAGED=1`).
     pub fn staged(&self) -> bool {
-        self.unroll() == 4
+        self.staged && self.unroll() == 4
     }
     /// Independent token rows per decode block (each with its own online softmax).
     pub fn decode_slots(&self) -> usize {
