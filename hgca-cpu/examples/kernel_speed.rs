@@ -38,7 +38,12 @@ fn main() -> Result<(), hgca_kernels::Error> {
         } else {
             (1 << 21) / (8 * tokens)
         };
-        for (name, sparse) in [("dense", false), ("sparse-all", true)] {
+        let mut w = vec![0f32; 32 * tokens];
+        for (name, sparse, weights) in [
+            ("dense", false, false),
+            ("dense+w", false, true),
+            ("sparse-all", true, false),
+        ] {
             // The fastest of the repetitions: the host's other load only
             // ever adds time.
             let mut per = f64::MAX;
@@ -47,7 +52,8 @@ fn main() -> Result<(), hgca_kernels::Error> {
                 if sparse {
                     b.sparse_decode(&shape, &q, &kv, &sel, out.as_mut(), None)?;
                 } else {
-                    b.dense_decode(&shape, &q, &kv, out.as_mut(), None)?;
+                    let w = weights.then_some(&mut w[..]);
+                    b.dense_decode(&shape, &q, &kv, out.as_mut(), w)?;
                 }
                 per = per.min(t.elapsed().as_secs_f64());
             }

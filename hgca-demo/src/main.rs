@@ -142,6 +142,7 @@ struct Summary {
     acc: Vec<StepAccuracy>,
     dense: Duration,
     dense_submit: Duration,
+    select: Duration,
     sparse: Duration,
     merge: Duration,
     total: Duration,
@@ -195,6 +196,7 @@ fn run<D: DenseAttention>(
         let st = h.layer.stats();
         s.dense += st.dense;
         s.dense_submit += st.dense_submit;
+        s.select += st.select;
         s.sparse += st.sparse;
         s.merge += st.merge;
         s.total += st.total;
@@ -297,6 +299,7 @@ fn hybrid(a: &Args) -> Result<()> {
         ms(s.total, steps),
     );
     let submit = ms(s.dense_submit, steps);
+    let select = ms(s.select, steps);
     let full = s.full.as_secs_f64() * 1e3;
     // The overlap bound: a step costs at most 1.1 x the slower side + merge,
     // with the dense side timed alone (a step's own dense time only shows
@@ -308,7 +311,7 @@ fn hybrid(a: &Args) -> Result<()> {
     let overlap = (1.0 - dense / dense_alone.max(1e-12)).clamp(0.0, 1.0);
     if a.json {
         println!(
-            "{{\"backend\":\"{}\",\"isa\":\"{}\",\"context\":{},\"window\":{},\"block\":{},\"beta\":{},\"steps\":{steps},\"selected_fraction\":{:.5},\"rel_err_mean\":{:.3e},\"rel_err_max\":{:.3e},\"recall_mean\":{:.5},\"recall_min\":{:.5},\"ms_dense\":{dense:.3},\"ms_dense_submit\":{submit:.3},\"ms_sparse\":{sparse:.3},\"ms_merge\":{merge:.3},\"ms_step\":{total:.3},\"ms_dense_alone\":{dense_alone:.3},\"ms_overlap_bound\":{bound:.3},\"ms_full_dense_cpu\":{full:.3},\"speedup_vs_full\":{:.2},\"overlap\":{overlap:.3}}}",
+            "{{\"backend\":\"{}\",\"isa\":\"{}\",\"context\":{},\"window\":{},\"block\":{},\"beta\":{},\"steps\":{steps},\"selected_fraction\":{:.5},\"rel_err_mean\":{:.3e},\"rel_err_max\":{:.3e},\"recall_mean\":{:.5},\"recall_min\":{:.5},\"ms_dense\":{dense:.3},\"ms_dense_submit\":{submit:.3},\"ms_sparse\":{sparse:.3},\"ms_select\":{select:.3},\"ms_merge\":{merge:.3},\"ms_step\":{total:.3},\"ms_dense_alone\":{dense_alone:.3},\"ms_overlap_bound\":{bound:.3},\"ms_full_dense_cpu\":{full:.3},\"speedup_vs_full\":{:.2},\"overlap\":{overlap:.3}}}",
             s.backend,
             hgca_cpu::Isa::detect(),
             a.context,
@@ -346,7 +349,7 @@ fn hybrid(a: &Args) -> Result<()> {
         100.0 * s.min_recall()
     );
     println!(
-        "  time per step: {total:.2} ms = dense {dense:.2} (submit {submit:.2}, wait + copy-out {:.2}) + sparse {sparse:.2} + merge/MAW {merge:.2} + other {:.2}",
+        "  time per step: {total:.2} ms = dense {dense:.2} (submit {submit:.2}, wait + copy-out {:.2}) + sparse {sparse:.2} (select {select:.2}) + merge/MAW {merge:.2} + other {:.2}",
         dense - submit,
         total - dense - sparse - merge
     );

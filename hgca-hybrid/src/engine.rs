@@ -131,6 +131,8 @@ pub struct StepStats {
     pub dense: Duration,
     /// The submitting part of [`StepStats::dense`] (uploads and launches).
     pub dense_submit: Duration,
+    /// The selection part of [`StepStats::sparse`] (MAW rule, block bounds).
+    pub select: Duration,
     /// Time of the CPU side (selection and sparse attention).
     pub sparse: Duration,
     /// Time of the merge and the MAW updates.
@@ -196,16 +198,23 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     /// Union lse of the last decode step per query head (reference for block bounds).
     last_lse: Vec<f32>,
     stats: StepStats,
-    /// Scratch of the block-bound ranking.
-    ub: Vec<f32>,
-    ranked: Vec<(f32, u32)>,
+    /// Per-KV-head scratch of the selection.
+    heads: Vec<HeadScratch>,
     /// Reused weight buffers of the two sides and the group means.
     gpu_w: Vec<f32>,
     cpu_w: Vec<f32>,
     mean: Vec<f32>,
-    admitted: Vec<bool>,
     evict_k: Vec<T>,
     evict_v: Vec<T>,
+}
+
+/// Scratch of one KV head's selection: its indices, block bounds, ranking.
+#[derive(Debug, Default, Clone)]
+struct HeadScratch {
+    idx: Vec<u32>,
+    ub: Vec<f32>,
+    ranked: Vec<(f32, u32)>,
+    admitted: Vec<bool>,
 }
 
 impl<T: KvElem> HybridAttention<CpuBackend, CpuBackend, T> {
@@ -249,12 +258,10 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             steps: 0,
             last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
             stats: StepStats::default(),
-            ub: Vec::new(),
-            ranked: Vec::new(),
+            heads: Vec::new(),
             gpu_w: Vec::new(),
             cpu_w: Vec::new(),
             mean: Vec::new(),
-            admitted: Vec::new(),
             evict_k: Vec::new(),
             evict_v: Vec::new(),
             cpu: CpuBackend::new(),
@@ -389,68 +396,89 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             self.shape.group(),
         );
         let bt = self.cfg.block;
-        self.sel.clear();
-        let mut admitted = std::mem::take(&mut self.admitted);
-        for g in 0..hk {
-            admitted.clear();
-            if let Recovery::BlockBounds { top } = self.cfg.recovery {
+        let recovery = self.cfg.recovery;
+        let sinks = self.cfg.sinks.min(n);
+        let scale = self.shape.scale();
+        let mut heads = std::mem::take(&mut self.heads);
+        heads.resize_with(hk, HeadScratch::default);
+        let (cpu, bounds, maw, beta, last_lse) = (
+            &self.cpu,
+            &self.bounds,
+            &self.maw,
+            &self.beta,
+            &self.last_lse,
+        );
+        // The KV heads select independently: on the CPU backend's threads
+        // (a serial scan of every entry's MAW was most of the CPU side's
+        // time at 128k).
+        let errors = std::sync::Mutex::new(None);
+        cpu.for_chunks(&mut heads, 1, |g, h| {
+            let h = &mut h[0];
+            h.idx.clear();
+            h.admitted.clear();
+            if let Recovery::BlockBounds { top } = recovery {
                 // Upper bound of each block's scores, minus the head's last
                 // lse (a log-weight bound), max over the group's heads.
                 let nb = n.div_ceil(bt);
                 let qg = &q[g * group * d..(g + 1) * group * d];
-                self.ub.resize(nb * group, 0.0);
-                self.cpu.block_upper_bounds(
-                    qg,
-                    group,
-                    d,
-                    &self.bounds[g][..nb * 2 * d],
-                    &mut self.ub,
-                )?;
-                let scale = self.shape.scale();
-                self.ranked.clear();
-                self.ranked.extend((0..nb).map(|b| {
+                h.ub.resize(nb * group, 0.0);
+                if let Err(e) =
+                    cpu.block_upper_bounds(qg, group, d, &bounds[g][..nb * 2 * d], &mut h.ub)
+                {
+                    *errors.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    return;
+                }
+                let ub = &h.ub;
+                h.ranked.clear();
+                h.ranked.extend((0..nb).map(|b| {
                     let best = (0..group)
-                        .map(|i| self.ub[b * group + i] * scale - self.last_lse[g * group + i])
+                        .map(|i| ub[b * group + i] * scale - last_lse[g * group + i])
                         .fold(f32::NEG_INFINITY, f32::max);
                     (best, b as u32)
                 }));
                 let top = top.min(nb);
                 if top > 0 && top < nb {
-                    self.ranked
+                    h.ranked
                         .select_nth_unstable_by(top - 1, |a, b| b.0.total_cmp(&a.0));
                 }
-                admitted.resize(nb, false);
-                for &(_, b) in &self.ranked[..top] {
-                    admitted[b as usize] = true;
+                h.admitted.resize(nb, false);
+                for &(_, b) in &h.ranked[..top] {
+                    h.admitted[b as usize] = true;
                 }
             }
-            let t = self.beta.threshold(g, n_gpu);
-            let maw = &self.maw[g];
-            let sinks = self.cfg.sinks.min(n);
-            self.sel.begin_head();
-            for j in 0..sinks {
-                self.sel.push_index(j as u32);
-            }
-            // Block by block: an admitted block whole, else the MAW rule.
+            let t = beta.threshold(g, n_gpu);
+            let maw = &maw[g];
+            h.idx.extend(0..sinks as u32);
+            // Block by block: an admitted block whole, else the MAW rule
+            // (branch-free: every index is written, the count moves on a hit).
             let mut j0 = sinks;
             while j0 < n {
                 let b = j0 / bt;
                 let end = ((b + 1) * bt).min(n);
-                if admitted.get(b).copied().unwrap_or(false) {
-                    for j in j0..end {
-                        self.sel.push_index(j as u32);
-                    }
+                if h.admitted.get(b).copied().unwrap_or(false) {
+                    h.idx.extend(j0 as u32..end as u32);
                 } else {
+                    let at = h.idx.len();
+                    h.idx.resize(at + (end - j0), 0);
+                    let mut cnt = at;
                     for (j, &m) in maw[j0..end].iter().enumerate() {
-                        if m > t {
-                            self.sel.push_index((j0 + j) as u32);
-                        }
+                        h.idx[cnt] = (j0 + j) as u32;
+                        cnt += usize::from(m > t);
                     }
+                    h.idx.truncate(cnt);
                 }
                 j0 = end;
             }
+        });
+        if let Some(e) = errors.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            self.heads = heads;
+            return Err(e);
         }
-        self.admitted = admitted;
+        self.sel.clear();
+        for h in &heads {
+            self.sel.push_head(h.idx.iter().copied());
+        }
+        self.heads = heads;
         Ok(())
     }
 
@@ -478,13 +506,16 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         // and the backends write every weight (the conformance suites check
         // that on NaN-poisoned buffers).
         let mut cpu_w = std::mem::take(&mut self.cpu_w);
+        let mut select_t = Duration::ZERO;
         if full {
             self.sel = Selection::all(s.kv_heads(), self.store.tokens());
             cpu_w.resize(s.q_heads() * self.store.tokens(), 0.0);
             self.cpu
                 .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
         } else {
+            let tsel = Instant::now();
             self.select(q)?;
+            select_t = tsel.elapsed();
             cpu_w.resize(s.group() * self.sel.total(), 0.0);
             self.sparse.sparse_decode(
                 &s,
@@ -528,6 +559,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             full_cpu: full,
             dense: submitted + waited,
             dense_submit: submitted,
+            select: select_t,
             sparse,
             merge: tm.elapsed(),
             total: t0.elapsed(),
@@ -719,6 +751,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             full_cpu: true,
             dense: dense_t,
             dense_submit: submit_t,
+            select: Duration::ZERO,
             sparse: cpu_t,
             merge: Duration::ZERO,
             total: t0.elapsed(),
