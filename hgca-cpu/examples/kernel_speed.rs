@@ -20,7 +20,7 @@ fn main() -> Result<(), hgca_kernels::Error> {
         .nth(2)
         .and_then(|s| s.parse().ok())
         .unwrap_or(usize::MAX);
-    for tokens in [256usize, 2048, 16384, 131072]
+    for tokens in [256usize, 2048, 16384, 131072, 262144]
         .into_iter()
         .filter(|&t| t <= max)
     {
@@ -33,6 +33,21 @@ fn main() -> Result<(), hgca_kernels::Error> {
         let q: Vec<f32> = (0..32 * 128).map(|i| (i % 17) as f32 / 17.0).collect();
         let mut out = Partial::empty(PartialLayout::decode(&shape));
         let sel = Selection::all(8, tokens);
+        // Every 10th-ish token, at pseudo-random spacing: a sparse gather.
+        let mut x = 0x9E37_79B9u32;
+        let sparse10: Vec<Vec<u32>> = (0..8)
+            .map(|_| {
+                (0..tokens as u32)
+                    .filter(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        x % 10 == 0
+                    })
+                    .collect()
+            })
+            .collect();
+        let sel10 = Selection::from_heads(&sparse10);
         let reps = if max == usize::MAX {
             (1 << 24) / (8 * tokens)
         } else {
@@ -43,13 +58,16 @@ fn main() -> Result<(), hgca_kernels::Error> {
             ("dense", false, false),
             ("dense+w", false, true),
             ("sparse-all", true, false),
+            ("sparse-10%", true, true),
         ] {
             // The fastest of the repetitions: the host's other load only
             // ever adds time.
             let mut per = f64::MAX;
             for _ in 0..reps.max(3) {
                 let t = Instant::now();
-                if sparse {
+                if sparse && weights {
+                    b.sparse_decode(&shape, &q, &kv, &sel10, out.as_mut(), None)?;
+                } else if sparse {
                     b.sparse_decode(&shape, &q, &kv, &sel, out.as_mut(), None)?;
                 } else {
                     let w = weights.then_some(&mut w[..]);
@@ -57,7 +75,11 @@ fn main() -> Result<(), hgca_kernels::Error> {
                 }
                 per = per.min(t.elapsed().as_secs_f64());
             }
-            let rows = (8 * tokens) as f64;
+            let rows = if sparse && weights {
+                sel10.total() as f64
+            } else {
+                (8 * tokens) as f64
+            };
             println!(
                 "{} {name:>10} n={tokens:>6} KV {:>6} KiB: {:>6.1} ns per KV row (4 heads), {:>5.1} GB/s",
                 b.isa(),
