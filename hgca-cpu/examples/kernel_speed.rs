@@ -42,7 +42,7 @@ fn main() -> Result<(), hgca_kernels::Error> {
                         x ^= x << 13;
                         x ^= x >> 17;
                         x ^= x << 5;
-                        x % 10 == 0
+                        x.is_multiple_of(10)
                     })
                     .collect()
             })
