@@ -23,6 +23,9 @@ echo
 target/release/hgca-demo hybrid --shift --context 32768 --steps 32
 echo
 target/release/hgca-demo harness --context 16384 --steps 32
+echo
+# How large a window a GPU budget allows (32 layers, batch 4, 128k context, 16 GiB).
+target/release/hgca-demo plan --context 131072 --batch 4 --gpu-gib 16
 
 if [ -f scripts/run-model.sh ]; then
   echo
