@@ -12,6 +12,22 @@
 
 __device__ __forceinline__ float canon(float x) { return x == POS_INF ? NEG_INF : x; }
 
+// o += ci * y, except that a zero weight lets a NaN element of y show
+// through (NaN propagates even from a part that weighs nothing).
+__device__ __forceinline__ void accumulate4(float4& o, float ci, const float4 y) {
+    if (ci == 0.f) {
+        if (y.x != y.x) o.x = QNAN;
+        if (y.y != y.y) o.y = QNAN;
+        if (y.z != y.z) o.z = QNAN;
+        if (y.w != y.w) o.w = QNAN;
+    } else {
+        o.x = fmaf(ci, y.x, o.x);
+        o.y = fmaf(ci, y.y, o.y);
+        o.z = fmaf(ci, y.z, o.z);
+        o.w = fmaf(ci, y.w, o.w);
+    }
+}
+
 constexpr int kMP = 4;  // parts held in registers on the fast path
 constexpr int kMC = 2;  // float4 columns per lane on the fast path (d <= 256)
 
@@ -79,19 +95,7 @@ __device__ __forceinline__ void merge_row_regs(
 #pragma unroll
         for (int i = 0; i < kMP; ++i) {
             if (i >= n_parts) break;
-            const float ci = m == NEG_INF ? 0.f : w[i] / total;
-            const float4 v = y[i][j];
-            if (ci == 0.f) {
-                if (v.x != v.x) o.x = QNAN;
-                if (v.y != v.y) o.y = QNAN;
-                if (v.z != v.z) o.z = QNAN;
-                if (v.w != v.w) o.w = QNAN;
-            } else {
-                o.x = fmaf(ci, v.x, o.x);
-                o.y = fmaf(ci, v.y, o.y);
-                o.z = fmaf(ci, v.z, o.z);
-                o.w = fmaf(ci, v.w, o.w);
-            }
+            accumulate4(o, m == NEG_INF ? 0.f : w[i] / total, y[i][j]);
         }
         o4[c] = o;
     }
@@ -151,18 +155,7 @@ hgca_merge(const float* __restrict__ parts_o, const float* __restrict__ parts_ls
             float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
             for (int i = 0; i < n_parts; ++i) {
                 const float ci = expf(canon(parts_lse[(size_t)i * rows + row]) - m) / total;
-                const float4 y = reinterpret_cast<const float4*>(prow + i * rstride)[c];
-                if (ci == 0.f) {
-                    if (y.x != y.x) o.x = QNAN;
-                    if (y.y != y.y) o.y = QNAN;
-                    if (y.z != y.z) o.z = QNAN;
-                    if (y.w != y.w) o.w = QNAN;
-                } else {
-                    o.x = fmaf(ci, y.x, o.x);
-                    o.y = fmaf(ci, y.y, o.y);
-                    o.z = fmaf(ci, y.z, o.z);
-                    o.w = fmaf(ci, y.w, o.w);
-                }
+                accumulate4(o, ci, reinterpret_cast<const float4*>(prow + i * rstride)[c]);
             }
             o4[c] = o;
         }
