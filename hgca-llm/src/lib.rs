@@ -34,7 +34,8 @@ mod tokenizer;
 pub use error::{Error, Result};
 pub use gguf::{GgufFile, LlamaConfig};
 pub use model::{
-    AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax, log_prob,
+    AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax,
+    full_attention, log_prob,
 };
 pub use ppl::{PplOptions, PplReport, perplexity};
 pub use tokenizer::GgufTokenizer;

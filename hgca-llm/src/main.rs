@@ -9,7 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use std::sync::Mutex;
 
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
+use hgca_hybrid::{HybridAttention, HybridConfig, Recovery, SequenceAttention};
 use hgca_kernels::{AttnShape, DType, KvElem, bf16, f16};
 use hgca_llm::{
     BoxedAttention, Error, GgufFile, GgufTokenizer, Llama, LlamaWeights, Logits, PplOptions,
@@ -154,18 +154,11 @@ enum AttnKind {
     Hybrid,
 }
 
-fn cpu_backend() -> Result<hgca_cpu::CpuBackend> {
-    Ok(hgca_cpu::CpuBackend::new())
-}
-
 fn full_factory(kv: Kv) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> {
-    move |_, shape| {
-        let cpu = cpu_backend()?;
-        Ok(match kv {
-            Kv::F32 => Box::new(FullAttention::<f32>::new(shape, cpu)?) as BoxedAttention,
-            Kv::F16 => Box::new(FullAttention::<f16>::new(shape, cpu)?),
-            Kv::Bf16 => Box::new(FullAttention::<bf16>::new(shape, cpu)?),
-        })
+    move |layer, shape| match kv {
+        Kv::F32 => hgca_llm::full_attention::<f32>()(layer, shape),
+        Kv::F16 => hgca_llm::full_attention::<f16>()(layer, shape),
+        Kv::Bf16 => hgca_llm::full_attention::<bf16>()(layer, shape),
     }
 }
 

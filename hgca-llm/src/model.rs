@@ -243,6 +243,19 @@ pub enum Logits {
 /// A per-layer attention, as [`Llama`] holds it.
 pub type BoxedAttention = Box<dyn SequenceAttention + Send>;
 
+/// The attention factory of exact full attention (hgca's CPU baseline) with
+/// KV stored as `T`, for [`Llama::new`] and [`crate::perplexity`]: every
+/// layer gets a [`FullAttention`] on a [`hgca_cpu::CpuBackend`].
+pub fn full_attention<T: KvElem + Send + 'static>()
+-> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> + Copy {
+    |_, shape| {
+        Ok(
+            Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?)
+                as BoxedAttention,
+        )
+    }
+}
+
 /// One running sequence of a Llama model: shared weights, one attention
 /// layer (with its KV cache) per model layer, and the position.
 pub struct Llama {
@@ -321,12 +334,7 @@ impl Llama {
     pub fn with_full_attention<T: KvElem + Send + 'static>(
         weights: Arc<LlamaWeights>,
     ) -> Result<Self> {
-        Self::new(weights, |_, shape| {
-            Ok(
-                Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?)
-                    as BoxedAttention,
-            )
-        })
+        Self::new(weights, full_attention::<T>())
     }
 
     /// Tokens processed so far.

@@ -186,12 +186,7 @@ fn bad_inputs_are_typed_errors() {
 
     // Perplexity parameters.
     let ids = [5u32, 6, 7, 8];
-    let f = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
-        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
-            s,
-            hgca_cpu::CpuBackend::new(),
-        )?))
-    };
+    let f = hgca_llm::full_attention::<f32>();
     let bad = PplOptions {
         context: 1,
         chunk: 1,
@@ -215,12 +210,7 @@ fn perplexity_segments_and_chunks() {
     let dir = tempfile::tempdir().unwrap();
     let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
     let ids: Vec<u32> = (0..64u32).map(|i| (i * 31 + 7) % 250).collect();
-    let f = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
-        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
-            s,
-            hgca_cpu::CpuBackend::new(),
-        )?))
-    };
+    let f = hgca_llm::full_attention::<f32>();
     let whole = perplexity(
         &w,
         &ids,
@@ -294,12 +284,7 @@ fn hybrid_selecting_everything_equals_full() {
     let dir = tempfile::tempdir().unwrap();
     let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
     let ids: Vec<u32> = (0..80u32).map(|i| (i * 17 + 11) % 250).collect();
-    let full = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
-        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
-            s,
-            hgca_cpu::CpuBackend::new(),
-        )?))
-    };
+    let full = hgca_llm::full_attention::<f32>();
     // Prefill 30 tokens, then 50 decode steps with a 16-token window: most
     // entries live in the CPU store.
     let opts = PplOptions {

@@ -54,12 +54,7 @@ fn smollm2_tokenizer_and_short_perplexity() {
     let mut ids = tok.encode(&text[start..start + 2000], false).unwrap();
     ids.truncate(256);
     let w = Arc::new(LlamaWeights::load(&mut f, WeightFormat::F32).unwrap());
-    let full = |_: usize, s| -> hgca_llm::Result<hgca_llm::BoxedAttention> {
-        Ok(Box::new(hgca_hybrid::FullAttention::<f32>::new(
-            s,
-            hgca_cpu::CpuBackend::new(),
-        )?))
-    };
+    let full = hgca_llm::full_attention::<f32>();
     let opts = PplOptions {
         context: 256,
         chunk: 128,
