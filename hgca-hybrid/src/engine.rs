@@ -584,17 +584,15 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         // backend's threads. The ring holds logical token j at slot
         // (win_head + j) % cap.
         let head = self.win_head;
-        let f: Vec<f32> = (0..s.q_heads())
-            .map(|h| (gpu.lse()[h] - lse[h]).exp() / group as f32)
-            .collect();
         self.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
-            let fg = &f[g * group..(g + 1) * group];
-            // maw = a maw + (1 - a) sum_i f_i w_i, as vectorisable passes.
+            // maw = a maw + (1 - a) sum_i f_i w_i, as vectorisable passes;
+            // f_i rescales head i's weights to the union.
             let run = |dst: &mut [f32], j0: usize| {
                 dst.iter_mut().for_each(|x| *x *= a);
-                for (i, &fi) in fg.iter().enumerate() {
-                    let c = (1.0 - a) * fi;
-                    let src = &gpu_w[(g * group + i) * n_win + j0..][..dst.len()];
+                for i in 0..group {
+                    let h = g * group + i;
+                    let c = (1.0 - a) * (gpu.lse()[h] - lse[h]).exp() / group as f32;
+                    let src = &gpu_w[h * n_win + j0..][..dst.len()];
                     for (x, &w) in dst.iter_mut().zip(src) {
                         *x += c * w;
                     }
