@@ -10,7 +10,7 @@ use hgca_kernels::{
 };
 use pulp::Simd;
 
-use crate::isa::{Isa, IsaKind, SimdElem, dispatch, exp_neg, load, store};
+use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load, store};
 use crate::kernel::{
     ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
 };
@@ -561,16 +561,18 @@ impl CpuBackend {
     /// block, the elementwise minimum then maximum of its keys (`[blocks, 2, d]`);
     /// for query row `h` of `q` (`[heads, d]`), `out[b * heads + h] =
     /// Σ_i max(q_i lo_i, q_i hi_i)`, which no key of block `b` can exceed
-    /// in `q·k`.
+    /// in `q·k`. The bounds are kept in the KV dtype: the minimum and
+    /// maximum of keys stored as `T` are values of `T`, so nothing rounds,
+    /// and f16/bf16 bounds are half the bytes to read.
     ///
     /// # Errors
     /// [`Error::Length`] when the slices do not fit `heads`, `d` and the block count.
-    pub fn block_upper_bounds(
+    pub fn block_upper_bounds<T: SimdElem>(
         &self,
         q: &[f32],
         heads: usize,
         d: usize,
-        bounds: &[f32],
+        bounds: &[T],
         out: &mut [f32],
     ) -> Result<()> {
         check_len("q", heads * d, q.len())?;
@@ -588,30 +590,99 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Appends `base + i` to `out` for every `values[i] > threshold` (NaN
+    /// never passes), in order: the MAW rule's scan, one vector compare per
+    /// `LANES` entries and scalar work only where a vector has a hit.
+    ///
+    /// ```
+    /// let mut out = vec![7];
+    /// hgca_cpu::CpuBackend::new().indices_above(&[0.1, 0.5, f32::NAN, 0.9], 0.2, 10, &mut out);
+    /// assert_eq!(out, [7, 11, 13]);
+    /// ```
+    pub fn indices_above(&self, values: &[f32], threshold: f32, base: u32, out: &mut Vec<u32>) {
+        dispatch!(self.isa, s => above_simd(s, values, threshold, base, out))
+    }
+}
+
 #[inline(always)]
-fn bounds_simd<S: Simd>(s: S, q: &[f32], heads: usize, d: usize, bounds: &[f32], out: &mut [f32]) {
+fn above_simd<S: Simd>(s: S, values: &[f32], t: f32, base: u32, out: &mut Vec<u32>) {
+    let lanes = S::F32_LANES;
+    let tv = s.splat_f32s(t);
+    let mut push_hits = |chunk: &[f32], at: usize| {
+        for (i, &x) in chunk.iter().enumerate() {
+            if x > t {
+                out.push(base + (at + i) as u32);
+            }
+        }
+    };
+    let mut chunks = values.chunks_exact(lanes);
+    let mut at = 0;
+    for c in &mut chunks {
+        if s.first_true_m32s(s.less_than_f32s(tv, load(s, c))) < lanes {
+            push_hits(c, at);
+        }
+        at += lanes;
+    }
+    push_hits(chunks.remainder(), at);
+}
+
+#[inline(always)]
+fn bounds_simd<S: Kern, T: SimdElem>(
+    s: S,
+    q: &[f32],
+    heads: usize,
+    d: usize,
+    bounds: &[T],
+    out: &mut [f32],
+) {
+    let mut h0 = 0;
+    while h0 < heads {
+        let q = &q[h0 * d..];
+        match heads - h0 {
+            1 => bounds_heads::<S, T, 1>(s, q, heads, h0, d, bounds, out),
+            2 => bounds_heads::<S, T, 2>(s, q, heads, h0, d, bounds, out),
+            3 => bounds_heads::<S, T, 3>(s, q, heads, h0, d, bounds, out),
+            _ => bounds_heads::<S, T, 4>(s, q, heads, h0, d, bounds, out),
+        }
+        h0 += 4;
+    }
+}
+
+/// [`bounds_simd`] for heads `h0..h0 + H` (`q` starts at head `h0`): each
+/// block's bounds are loaded and widened once for the `H` heads.
+#[inline(always)]
+fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
+    s: S,
+    q: &[f32],
+    heads: usize,
+    h0: usize,
+    d: usize,
+    bounds: &[T],
+    out: &mut [f32],
+) {
     let lanes = S::F32_LANES;
     let full = d - d % lanes;
     for (b, blk) in bounds.chunks_exact(2 * d).enumerate() {
         let (lo, hi) = blk.split_at(d);
-        for h in 0..heads {
+        let mut acc = [s.splat_f32s(0.0); 4];
+        let mut c = 0;
+        while c < full {
+            let (l, u) = (T::load(s, &lo[c..]), T::load(s, &hi[c..]));
+            for (h, a) in acc.iter_mut().enumerate().take(H) {
+                let x = load(s, &q[h * d + c..]);
+                *a = s.add_f32s(*a, s.max_f32s(s.mul_f32s(x, l), s.mul_f32s(x, u)));
+            }
+            c += lanes;
+        }
+        let sums = s.reduce_sum4(acc);
+        for (h, &sum) in sums.iter().enumerate().take(H) {
             let qh = &q[h * d..(h + 1) * d];
-            let mut acc = s.splat_f32s(0.0);
-            let mut c = 0;
-            while c < full {
-                let x = load(s, &qh[c..]);
-                let m = s.max_f32s(
-                    s.mul_f32s(x, load(s, &lo[c..])),
-                    s.mul_f32s(x, load(s, &hi[c..])),
-                );
-                acc = s.add_f32s(acc, m);
-                c += lanes;
-            }
-            let mut t = s.reduce_sum_f32s(acc);
+            let mut t = sum;
             for i in full..d {
-                t += (qh[i] * lo[i]).max(qh[i] * hi[i]);
+                t += (qh[i] * lo[i].to_f32()).max(qh[i] * hi[i].to_f32());
             }
-            out[b * heads + h] = t;
+            out[b * heads + h0 + h] = t;
         }
     }
 }

@@ -263,6 +263,97 @@ fn nan_case(b: &CpuBackend) {
     assert_eq!(out.lse(), reference.lse());
 }
 
+/// The MAW scan: the indices of the values above a threshold, in order, as
+/// a plain filter finds them (NaN never passes; lengths around the lanes).
+fn above_case(b: &CpuBackend, len: usize, threshold: f32, seed: u64) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let values: Vec<f32> = (0..len)
+        .map(|_| match rng.below(20) {
+            0 => f32::NAN,
+            1 => threshold,
+            _ => rng.sym(),
+        })
+        .collect();
+    let mut got = vec![u32::MAX];
+    b.indices_above(&values, threshold, 1000, &mut got);
+    let want: Vec<u32> = std::iter::once(u32::MAX)
+        .chain(
+            (0..len)
+                .filter(|&i| values[i] > threshold)
+                .map(|i| 1000 + i as u32),
+        )
+        .collect();
+    if got == want {
+        Ok(())
+    } else {
+        Err(format!("len {len} t {threshold}: {got:?} != {want:?}"))
+    }
+}
+
+/// Quest block bounds kept in the KV dtype: each bound is at least the
+/// score of every key of its block, and it is the bound formula (computed
+/// in f64) up to f32 rounding.
+fn bounds_case<T: KvElem>(
+    b: &CpuBackend,
+    heads: usize,
+    d: usize,
+    blocks: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let per = 1 + rng.below(9);
+    let keys: Vec<T> = (0..blocks * per * d)
+        .map(|_| T::from_f32(4.0 * rng.sym()))
+        .collect();
+    let q: Vec<f32> = (0..heads * d).map(|_| 2.0 * rng.sym()).collect();
+    let mut bounds = Vec::with_capacity(blocks * 2 * d);
+    for blk in keys.chunks(per * d) {
+        for pick in [f32::min, f32::max] {
+            bounds.extend(
+                (0..d).map(|i| {
+                    T::from_f32(blk.chunks(d).map(|k| k[i].to_f32()).reduce(pick).unwrap())
+                }),
+            );
+        }
+    }
+    let mut out = vec![f32::NAN; blocks * heads];
+    b.block_upper_bounds(&q, heads, d, &bounds, &mut out)
+        .map_err(|e| e.to_string())?;
+    for blk in 0..blocks {
+        let (lo, hi) = bounds[blk * 2 * d..(blk + 1) * 2 * d].split_at(d);
+        for h in 0..heads {
+            let qh = &q[h * d..(h + 1) * d];
+            let (mut exact, mut scale) = (0.0f64, 0.0f64);
+            for i in 0..d {
+                let (a, c) = (
+                    f64::from(qh[i]) * f64::from(lo[i].to_f32()),
+                    f64::from(qh[i]) * f64::from(hi[i].to_f32()),
+                );
+                exact += a.max(c);
+                scale += a.abs().max(c.abs());
+            }
+            let got = f64::from(out[blk * heads + h]);
+            let tol = 1e-5 * scale + 1e-30;
+            if (got - exact).abs() > tol {
+                return Err(format!("block {blk} head {h}: {got} vs {exact}"));
+            }
+            for k in keys[blk * per * d..(blk + 1) * per * d].chunks(d) {
+                let dot: f64 = qh
+                    .iter()
+                    .zip(k)
+                    .map(|(&x, y)| f64::from(x) * f64::from(y.to_f32()))
+                    .sum();
+                if dot > got + tol {
+                    return Err(format!(
+                        "block {blk} head {h}: key score {dot} above bound {got}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
@@ -353,6 +444,32 @@ macro_rules! isa_suite {
                 ) {
                     if let Some(b) = backend($kind, Par::Rayon(2)) {
                         let r = check_dense(&b, shape, dtype, capacity, tokens, chunk, evict, 10.0, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn indices_above_is_a_filter(len in 0usize..300, t in -1.0f32..1.0, seed in any::<u64>()) {
+                    if let Some(b) = backend($kind, Par::Seq) {
+                        let r = above_case(&b, len, t, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn block_bounds_bound_every_key(
+                    heads in 1usize..10,
+                    d in 1usize..140,
+                    blocks in 0usize..6,
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, Par::Seq) {
+                        let r = match dtype {
+                            DType::F32 => bounds_case::<f32>(&b, heads, d, blocks, seed),
+                            DType::F16 => bounds_case::<f16>(&b, heads, d, blocks, seed),
+                            DType::BF16 => bounds_case::<bf16>(&b, heads, d, blocks, seed),
+                        };
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                     }
                 }

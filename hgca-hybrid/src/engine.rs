@@ -192,7 +192,7 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     /// MAW of the CPU entries, one list per KV head.
     maw: Vec<Vec<f32>>,
     /// Per KV head, per store block: elementwise min and max of its keys (`[2, d]`).
-    bounds: Vec<Vec<f32>>,
+    bounds: Vec<Vec<T>>,
     sel: Selection,
     steps: usize,
     /// Union lse of the last decode step per query head (reference for block bounds).
@@ -356,15 +356,16 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                 let b = j / self.cfg.block;
                 let bnd = &mut self.bounds[g];
                 if bnd.len() < (b + 1) * 2 * d {
-                    bnd.extend(std::iter::repeat_n(f32::INFINITY, d));
-                    bnd.extend(std::iter::repeat_n(f32::NEG_INFINITY, d));
+                    bnd.extend(std::iter::repeat_n(T::from_f32(f32::INFINITY), d));
+                    bnd.extend(std::iter::repeat_n(T::from_f32(f32::NEG_INFINITY), d));
                 }
                 let row = &self.evict_k[(g * n + i) * d..(g * n + i + 1) * d];
                 let (lo, hi) = bnd[b * 2 * d..(b + 1) * 2 * d].split_at_mut(d);
+                // Stored keys are values of T: their min and max are too.
                 for ((l, h), &x) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
                     let x = x.to_f32();
-                    *l = l.min(x);
-                    *h = h.max(x);
+                    *l = T::from_f32(l.to_f32().min(x));
+                    *h = T::from_f32(h.to_f32().max(x));
                 }
             }
         }
@@ -449,23 +450,19 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             let t = beta.threshold(g, n_gpu);
             let maw = &maw[g];
             h.idx.extend(0..sinks as u32);
-            // Block by block: an admitted block whole, else the MAW rule
-            // (branch-free: every index is written, the count moves on a hit).
+            // Admitted blocks whole; the MAW rule over each run of the others.
             let mut j0 = sinks;
             while j0 < n {
-                let b = j0 / bt;
-                let end = ((b + 1) * bt).min(n);
-                if h.admitted.get(b).copied().unwrap_or(false) {
+                let admitted = |j: usize| h.admitted.get(j / bt).copied().unwrap_or(false);
+                let take = admitted(j0);
+                let mut end = ((j0 / bt + 1) * bt).min(n);
+                while end < n && admitted(end) == take {
+                    end = ((end / bt + 1) * bt).min(n);
+                }
+                if take {
                     h.idx.extend(j0 as u32..end as u32);
                 } else {
-                    let at = h.idx.len();
-                    h.idx.resize(at + (end - j0), 0);
-                    let mut cnt = at;
-                    for (j, &m) in maw[j0..end].iter().enumerate() {
-                        h.idx[cnt] = (j0 + j) as u32;
-                        cnt += usize::from(m > t);
-                    }
-                    h.idx.truncate(cnt);
+                    cpu.indices_above(&maw[j0..end], t, j0 as u32, &mut h.idx);
                 }
                 j0 = end;
             }
