@@ -10,7 +10,7 @@ use hgca_kernels::{
 };
 use pulp::Simd;
 
-use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load, store};
+use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load};
 use crate::kernel::{
     ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
 };
@@ -99,6 +99,8 @@ struct Plan {
     chunks: usize,
     d: usize,
     scores: usize,
+    /// Each task writes its weights itself (see [`CpuBackend::plan`]).
+    direct: bool,
 }
 
 impl Plan {
@@ -368,7 +370,7 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn plan(&self, shape: &AttnShape, tokens_q: usize, max_len: usize, scores: bool) -> Plan {
+    fn plan(&self, shape: &AttnShape, tokens_q: usize, max_len: usize, weights: bool) -> Plan {
         let group = shape.group();
         let subs = group.div_ceil(MAX_HEADS);
         let hsub = group.div_ceil(subs);
@@ -381,7 +383,11 @@ impl CpuBackend {
         } else {
             1
         };
-        let scores = if scores {
+        // One chunk per row: a task's lse is final when it ends, so it
+        // writes its weights in place (no scratch, no later pass). Split
+        // rows keep raw scores in scratch until the merge knows the lse.
+        let direct = weights && chunks == 1;
+        let scores = if weights && !direct {
             max_len.div_ceil(chunks) + 1
         } else {
             0
@@ -395,12 +401,14 @@ impl CpuBackend {
             chunks,
             d: shape.head_dim(),
             scores,
+            direct,
         }
     }
 
     /// The engine behind every public entry: plans tasks, runs them (in
-    /// parallel), merges chunk partials into `out` exactly, then turns raw
-    /// scores into weights normalised by the final lse.
+    /// parallel), merges chunk partials into `out` exactly, and writes the
+    /// weights normalised by the final lse: each task its own when rows are
+    /// not split, else from raw scores after the merge.
     #[allow(clippy::too_many_arguments)]
     fn run<'s, T: SimdElem, K: KvSource<T>>(
         &self,
@@ -411,7 +419,7 @@ impl CpuBackend {
         spec: impl Fn(usize, usize) -> Spec<'s> + Sync,
         weight_offset: impl Fn(usize) -> usize + Sync,
         mut out: PartialMut<'_>,
-        weights: Option<&mut [f32]>,
+        mut weights: Option<&mut [f32]>,
         mut chosen: Option<&mut Vec<Vec<u32>>>,
     ) {
         let (d, group, qh) = (shape.head_dim(), shape.group(), shape.q_heads());
@@ -433,9 +441,30 @@ impl CpuBackend {
             c.resize_with(n_tasks, Vec::new);
         }
         let isa = self.isa;
-        let task_fn = |i: usize, buf: &mut [f32], picked: Option<&mut Vec<u32>>| {
+        // What each task writes: its scratch, the indices it picks, and
+        // (direct plans) its weights `[hn, len]`, one contiguous run of
+        // `weights` in task order.
+        let mut io: Vec<TaskIo<'_>> = Vec::with_capacity(n_tasks);
+        {
+            let mut picked = chosen.map(|p| p.iter_mut());
+            let mut rest = if plan.direct { weights.take() } else { None };
+            for (i, buf) in work[..n_tasks * stride].chunks_mut(stride).enumerate() {
+                let w = rest.take().map(|r| {
+                    let tk = plan.task(i);
+                    let (head, tail) = r.split_at_mut(tk.hn * spec(tk.t, tk.g).len());
+                    rest = Some(tail);
+                    head
+                });
+                io.push(TaskIo {
+                    buf,
+                    picked: picked.as_mut().and_then(|p| p.next()),
+                    w,
+                });
+            }
+        }
+        let task_fn = |i: usize, io: &mut TaskIo<'_>| {
             let tk = plan.task(i);
-            let (o, rest) = buf.split_at_mut(plan.hsub * d);
+            let (o, rest) = io.buf.split_at_mut(plan.hsub * d);
             let (lse, sc) = rest.split_at_mut(plan.hsub);
             let (o, lse) = (&mut o[..tk.hn * d], &mut lse[..tk.hn]);
             o.fill(0.0);
@@ -443,44 +472,47 @@ impl CpuBackend {
             let run = &mut run[..tk.hn];
             let qrow = (tk.t * qh + tk.g * group + tk.h0) * d;
             let qv = &qs[qrow..qrow + tk.hn * d];
-            let so = (plan.scores > 0).then_some(ScoreOut {
-                buf: &mut *sc,
-                stride: plan.scores,
-            });
             let sp = spec(tk.t, tk.g);
             let (a, b) = plan.bounds(sp.len(), tk.c);
+            let so = match io.w.as_deref_mut() {
+                Some(w) => Some(ScoreOut {
+                    buf: w,
+                    stride: sp.len(),
+                }),
+                None => (plan.scores > 0).then_some(ScoreOut {
+                    buf: &mut *sc,
+                    stride: plan.scores,
+                }),
+            };
             dispatch!(isa, s => match sp {
                 Spec::List(l) => attend(s, kv, tk.g, qv, tk.hn, d, ListTokens(&l[a..b]), o, run, so),
                 Spec::Range(lo, _) => attend(s, kv, tk.g, qv, tk.hn, d, RangeTokens { start: lo + a, end: lo + b }, o, run, so),
                 Spec::Threshold(maw, t) => {
                     let mut sink = Vec::new();
-                    let chosen = picked.unwrap_or(&mut sink);
+                    let chosen = io.picked.as_deref_mut().unwrap_or(&mut sink);
                     let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
                     attend(s, kv, tk.g, qv, tk.hn, d, toks, o, run, so)
                 }
             });
             finish(o, lse, run, d);
-        };
-        let work = &mut work[..n_tasks * stride];
-        match (&self.par, &self.pool, chosen) {
-            (Par::Seq, _, picked) => {
-                let mut picked = picked.map(|p| p.iter_mut());
-                for (i, buf) in work.chunks_mut(stride).enumerate() {
-                    task_fn(i, buf, picked.as_mut().and_then(|p| p.next()));
+            if let Some(w) = io.w.as_deref_mut() {
+                for (h, row) in w.chunks_exact_mut(sp.len().max(1)).enumerate() {
+                    exp_shifted(isa, row, lse[h]);
                 }
             }
-            (_, pool, picked) => {
+        };
+        match (&self.par, &self.pool) {
+            (Par::Seq, _) => {
+                for (i, t) in io.iter_mut().enumerate() {
+                    task_fn(i, t);
+                }
+            }
+            (_, pool) => {
                 use rayon::prelude::*;
-                let go = || match picked {
-                    Some(p) => work
-                        .par_chunks_mut(stride)
-                        .zip(p.par_iter_mut())
+                let mut go = || {
+                    io.par_iter_mut()
                         .enumerate()
-                        .for_each(|(i, (buf, pk))| task_fn(i, buf, Some(pk))),
-                    None => work
-                        .par_chunks_mut(stride)
-                        .enumerate()
-                        .for_each(|(i, buf)| task_fn(i, buf, None)),
+                        .for_each(|(i, t)| task_fn(i, t))
                 };
                 match pool {
                     Some(p) => p.install(go),
@@ -488,6 +520,8 @@ impl CpuBackend {
                 }
             }
         }
+        drop(io);
+        let work = &work[..n_tasks * stride];
         // Merge the chunks of each (token, head) row, exactly.
         let (out_o, out_lse) = out.parts_mut();
         for (i, buf) in work.chunks(stride).enumerate() {
@@ -504,56 +538,30 @@ impl CpuBackend {
                 }
             }
         }
-        // Raw scores -> softmax weights over everything this call attended.
+        // Split rows: raw scores -> softmax weights over everything this call attended.
         if let Some(w) = weights {
-            let out_lse = &*out_lse;
-            // Task i's weights: rows h0..h0+hn of KV head g, tokens a..b.
-            let fill = |i: usize, buf: &[f32], w: &mut [f32], base0: usize| {
+            for (i, buf) in work.chunks(stride).enumerate() {
                 let tk = plan.task(i);
                 let len = spec(tk.t, tk.g).len();
                 let (a, b) = plan.bounds(len, tk.c);
                 let sc = &buf[plan.hsub * (d + 1)..];
                 for h in 0..tk.hn {
                     let hg = tk.h0 + h;
-                    let lse = out_lse[tk.g * group + hg];
-                    let base = group * weight_offset(tk.g) + hg * len - base0;
-                    let src = &sc[h * plan.scores..h * plan.scores + (b - a)];
-                    exp_shifted(isa, src, lse, &mut w[base + a..base + b]);
-                }
-            };
-            if plan.chunks == 1 && !matches!(self.par, Par::Seq) {
-                // One chunk per (head, subgroup): each task's weights are one
-                // contiguous run of `w`, in task order; fill them in parallel.
-                use rayon::prelude::*;
-                let mut parts: Vec<(usize, &mut [f32])> = Vec::with_capacity(n_tasks);
-                let mut rest = &mut *w;
-                let mut at = 0;
-                for i in 0..n_tasks {
-                    let tk = plan.task(i);
-                    let n = tk.hn * spec(tk.t, tk.g).len();
-                    let (head, tail) = rest.split_at_mut(n);
-                    parts.push((at, head));
-                    rest = tail;
-                    at += n;
-                }
-                let go = move || {
-                    parts
-                        .into_par_iter()
-                        .zip(work.par_chunks(stride))
-                        .enumerate()
-                        .for_each(|(i, ((base0, wp), buf))| fill(i, buf, wp, base0))
-                };
-                match &self.pool {
-                    Some(p) => p.install(go),
-                    None => go(),
-                }
-            } else {
-                for (i, buf) in work.chunks(stride).enumerate() {
-                    fill(i, buf, w, 0);
+                    let base = group * weight_offset(tk.g) + hg * len;
+                    let dst = &mut w[base + a..base + b];
+                    dst.copy_from_slice(&sc[h * plan.scores..h * plan.scores + (b - a)]);
+                    exp_shifted(isa, dst, out_lse[tk.g * group + hg]);
                 }
             }
         }
     }
+}
+
+/// One task's outputs (see [`CpuBackend::run`]).
+struct TaskIo<'a> {
+    buf: &'a mut [f32],
+    picked: Option<&'a mut Vec<u32>>,
+    w: Option<&'a mut [f32]>,
 }
 
 impl CpuBackend {
@@ -687,27 +695,20 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     }
 }
 
-/// `dst[i] = exp(src[i] - shift)`, vectorised.
-fn exp_shifted(isa: Isa, src: &[f32], shift: f32, dst: &mut [f32]) {
-    dispatch!(isa, s => exp_shifted_simd(s, src, shift, dst))
+/// `x[i] = exp(x[i] - shift)`, vectorised.
+fn exp_shifted(isa: Isa, x: &mut [f32], shift: f32) {
+    dispatch!(isa, s => exp_shifted_simd(s, x, shift))
 }
 
 #[inline(always)]
-fn exp_shifted_simd<S: Simd>(s: S, src: &[f32], shift: f32, dst: &mut [f32]) {
-    let lanes = S::F32_LANES;
+fn exp_shifted_simd<S: Simd>(s: S, x: &mut [f32], shift: f32) {
     let m = s.splat_f32s(shift);
-    let full = src.len() - src.len() % lanes;
-    let mut i = 0;
-    while i < full {
-        store(
-            s,
-            &mut dst[i..],
-            exp_neg(s, s.sub_f32s(load(s, &src[i..]), m)),
-        );
-        i += lanes;
+    let (head, tail) = S::as_mut_simd_f32s(x);
+    for v in head {
+        *v = exp_neg(s, s.sub_f32s(*v, m));
     }
-    for j in full..src.len() {
-        dst[j] = (src[j] - shift).exp();
+    for v in tail {
+        *v = (*v - shift).exp();
     }
 }
 

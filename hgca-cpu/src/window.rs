@@ -246,12 +246,37 @@ impl DenseAttention for CpuBackend {
         })
     }
 
-    fn wait(
+    fn wait(&self, p: CpuPending, out: PartialMut<'_>, weights: Option<&mut [f32]>) -> Result<()> {
+        match (weights, self.finish(p, out)?) {
+            (None, _) => Ok(()),
+            (Some(dst), Some(src)) => {
+                check_len("weights", src.len(), dst.len())?;
+                dst.copy_from_slice(&src);
+                *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()) = src;
+                Ok(())
+            }
+            (Some(_), None) => Err(no_weights()),
+        }
+    }
+
+    fn wait_weights(
         &self,
         p: CpuPending,
-        mut out: PartialMut<'_>,
-        weights: Option<&mut [f32]>,
+        out: PartialMut<'_>,
+        weights: &mut Vec<f32>,
     ) -> Result<()> {
+        let mut src = self.finish(p, out)?.ok_or_else(no_weights)?;
+        check_len("weights", src.len(), weights.len())?;
+        // Swap, do not copy: the caller's old buffer is reused next step.
+        std::mem::swap(weights, &mut src);
+        *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()) = src;
+        Ok(())
+    }
+}
+
+impl CpuBackend {
+    /// The common part of the waits: the partial into `out`; the weights, if any, back.
+    fn finish(&self, p: CpuPending, mut out: PartialMut<'_>) -> Result<Option<Vec<f32>>> {
         if out.layout() != p.partial.layout() {
             return Err(Error::ShapeMismatch {
                 what: "output partial",
@@ -262,19 +287,14 @@ impl DenseAttention for CpuBackend {
         let (o, l) = out.parts_mut();
         o.copy_from_slice(p.partial.out());
         l.copy_from_slice(p.partial.lse());
-        match (weights, p.weights) {
-            (None, _) => Ok(()),
-            (Some(dst), Some(src)) => {
-                check_len("weights", src.len(), dst.len())?;
-                dst.copy_from_slice(&src);
-                *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()) = src;
-                Ok(())
-            }
-            (Some(_), None) => Err(Error::Param {
-                what: "weights",
-                value: 0.0,
-                expected: "weights only for a decode submitted with want_weights",
-            }),
-        }
+        Ok(p.weights)
+    }
+}
+
+fn no_weights() -> Error {
+    Error::Param {
+        what: "weights",
+        value: 0.0,
+        expected: "weights only for a decode submitted with want_weights",
     }
 }

@@ -530,7 +530,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let mut gpu_w = std::mem::take(&mut self.gpu_w);
         gpu_w.resize(s.q_heads() * n_win, 0.0);
         self.dense
-            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
+            .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
         let waited = tw.elapsed();
         let tm = Instant::now();
         let mut merged = gpu_part.clone();
@@ -643,7 +643,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         let mut gpu_part = Partial::empty(layout);
         let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
         self.dense
-            .wait(pending, gpu_part.as_mut(), Some(&mut gpu_w))?;
+            .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
         let mut merged = gpu_part.clone();
         merge_into(merged.as_mut(), cpu_part.as_ref())?;
         self.last_lse.copy_from_slice(merged.lse());

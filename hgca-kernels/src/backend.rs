@@ -208,6 +208,23 @@ pub trait DenseAttention: WindowBackend {
         out: PartialMut<'_>,
         weights: Option<&mut [f32]>,
     ) -> Result<()>;
+
+    /// [`DenseAttention::wait`] for a decode submitted with `want_weights`,
+    /// the weights handed over in a vector already sized `[q_heads, len]`.
+    /// The default copies into it; a backend that computed the weights in
+    /// host memory swaps its buffer with `weights` instead (the CPU
+    /// backend: a 128k-context window's weights are 4 MiB a step).
+    ///
+    /// # Errors
+    /// As [`DenseAttention::wait`].
+    fn wait_weights(
+        &self,
+        pending: Self::Pending,
+        out: PartialMut<'_>,
+        weights: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.wait(pending, out, Some(weights))
+    }
 }
 
 /// Sparse gather-attention over selected entries of a CPU KV store.

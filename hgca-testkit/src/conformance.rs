@@ -272,6 +272,23 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
             }
         }
     }
+    // The handing-over wait gives the same partial and weights, twice (a
+    // backend that swaps buffers gets its own back the second time).
+    for _ in 0..2 {
+        let pending = b.submit_decode(&w, &p.q, true).map_err(|e| e.to_string())?;
+        let mut again = Partial::poisoned(layout);
+        let mut handed = vec![f32::NAN; weights.len()];
+        b.wait_weights(pending, again.as_mut(), &mut handed)
+            .map_err(|e| e.to_string())?;
+        if again != out
+            || handed
+                .iter()
+                .zip(&weights)
+                .any(|(a, b)| a.to_bits() != b.to_bits())
+        {
+            return Err("wait_weights differs from wait".into());
+        }
+    }
     // Causal append: the last n_q window tokens' positions, queries drawn anew.
     let n_q = set.len().min(5);
     if n_q > 0 {
