@@ -72,6 +72,41 @@ fn simd_sum(x: &[f32]) -> f32 {
     pulp::Arch::new().dispatch(Sum(x))
 }
 
+/// Sums rows `idx` (of `per` floats each) of `buf`: one SIMD dispatch, then
+/// vector loads, four accumulators, a software prefetch 16 rows ahead.
+fn gather_sum(buf: &[f32], idx: &[usize], per: usize) -> f32 {
+    struct Gather<'a>(&'a [f32], &'a [usize], usize);
+    impl pulp::WithSimd for Gather<'_> {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let Gather(buf, idx, per) = self;
+            let mut acc = [s.splat_f32s(0.0); 4];
+            for (n, &j) in idx.iter().enumerate() {
+                // Prefetch 16 rows ahead, as a tuned gather would (the
+                // yardstick should be the best plain gather, not a weak one).
+                #[cfg(target_arch = "x86_64")]
+                if let Some(&a) = idx.get(n + 16) {
+                    let row = buf[a * per..].as_ptr().cast::<i8>();
+                    for line in (0..per * 4).step_by(64) {
+                        use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                        // SAFETY: SSE (prefetch) is part of every x86-64 CPU;
+                        // a prefetch never dereferences its address.
+                        unsafe { _mm_prefetch::<{ _MM_HINT_T0 }>(row.wrapping_add(line)) };
+                    }
+                }
+                let (head, _) = S::as_simd_f32s(&buf[j * per..(j + 1) * per]);
+                for (i, &v) in head.iter().enumerate() {
+                    acc[i % 4] = s.add_f32s(acc[i % 4], v);
+                }
+            }
+            let t = s.add_f32s(s.add_f32s(acc[0], acc[1]), s.add_f32s(acc[2], acc[3]));
+            s.reduce_sum_f32s(t)
+        }
+    }
+    pulp::Arch::new().dispatch(Gather(buf, idx, per))
+}
+
 /// Streaming-read bandwidth in bytes/s over a buffer of `bytes`, on
 /// `threads` threads (each sums its own contiguous part), best of `reps`.
 pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
@@ -94,6 +129,39 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
     bytes as f64 / best
 }
 
+/// Bytes of one gathered row of the gather probe: a K or V row of f16, d 128.
+const GATHER_ROW: usize = 256;
+
+/// Random-row read bandwidth in bytes/s: 10% of the 256-byte rows of a
+/// 1 GiB buffer, sorted, as a sparse decode reads K or V rows; each thread
+/// sums its half of the rows.
+/// Each repetition takes a new selection, so the rows are not cache hits.
+pub fn gather_bandwidth(threads: usize, reps: usize) -> f64 {
+    let buf = huge_vec((1usize << 30) / 4, |i| (i % 7) as f32);
+    let per = GATHER_ROW / 4;
+    let rows = buf.len() / per;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("probe threads");
+    let mut best = f64::MAX;
+    let mut picked = 0;
+    for r in 0..reps {
+        let noise = fill(rows, 500 + r as u64);
+        let idx: Vec<usize> = (0..rows).filter(|&j| noise[j] < -0.8).collect();
+        picked = idx.len();
+        let part = idx.len().div_ceil(threads);
+        let t = Instant::now();
+        let s: f32 = pool.install(|| {
+            use rayon::prelude::*;
+            idx.par_chunks(part).map(|c| gather_sum(&buf, c, per)).sum()
+        });
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (picked * GATHER_ROW) as f64 / best
+}
+
 /// Measured streaming-read bandwidths of this machine, taken in the bench run.
 #[derive(Debug, Clone, Copy)]
 pub struct Probe {
@@ -107,6 +175,10 @@ pub struct Probe {
     pub llc2: f64,
     /// Last-level cache size in bytes (from sysfs; 32 MiB if unknown).
     pub llc_bytes: usize,
+    /// Random 256-byte rows from DRAM ([`gather_bandwidth`]), 1 thread.
+    pub gather1: f64,
+    /// The same, 2 threads.
+    pub gather2: f64,
 }
 
 impl Probe {
@@ -120,16 +192,28 @@ impl Probe {
             llc1: read_bandwidth(small, 1, 30),
             llc2: read_bandwidth(small, 2, 30),
             llc_bytes,
+            gather1: gather_bandwidth(1, 4),
+            gather2: gather_bandwidth(2, 4),
         };
         eprintln!(
-            "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s",
+            "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s; random 256-B rows (10%) from DRAM {:.1} / {:.1} GB/s",
             p.dram1 / 1e9,
             p.dram2 / 1e9,
             llc_bytes >> 20,
             p.llc1 / 1e9,
-            p.llc2 / 1e9
+            p.llc2 / 1e9,
+            p.gather1 / 1e9,
+            p.gather2 / 1e9
         );
         p
+    }
+    /// The random-row yardstick for a sparse kernel's DRAM figure.
+    pub fn gather(&self, threads: usize) -> f64 {
+        if threads > 1 {
+            self.gather2
+        } else {
+            self.gather1
+        }
     }
     /// The bandwidth a kernel with this working set and thread count should be compared with.
     pub fn reference(&self, working_set: usize, threads: usize) -> (f64, &'static str) {
@@ -219,8 +303,8 @@ impl Report {
     pub fn print(&self, probe: &Probe, peer_of: impl Fn(&str) -> Option<String>) {
         let m = self.0.lock().unwrap();
         println!(
-            "\n{:<58} {:>10} {:>8} {:>12} {:>10}",
-            "bench", "time/call", "GB/s", "% of probe", "x peer"
+            "\n{:<58} {:>10} {:>8} {:>12} {:>10} {:>9}",
+            "bench", "time/call", "GB/s", "% of probe", "x peer", "% gather"
         );
         for (id, r) in m.iter() {
             let t = r.time.as_secs_f64() / r.iters as f64;
@@ -233,8 +317,14 @@ impl Report {
                 })
                 .map(|x| format!("{x:.1}"))
                 .unwrap_or_default();
+            // Sparse kernels from DRAM: also against the random-row probe.
+            let gather = if id.starts_with("sparse") && kind == "DRAM" {
+                format!("{:.0}%", 100.0 * gbs / probe.gather(r.threads))
+            } else {
+                String::new()
+            };
             println!(
-                "{id:<58} {:>8.1}us {:>8.1} {:>7.0}% {:<4} {ratio:>10}",
+                "{id:<58} {:>8.1}us {:>8.1} {:>7.0}% {:<4} {ratio:>10} {gather:>9}",
                 t * 1e6,
                 gbs / 1e9,
                 100.0 * gbs / bw,
