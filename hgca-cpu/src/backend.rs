@@ -596,9 +596,7 @@ impl CpuBackend {
         dispatch!(self.isa, s => bounds_simd(s, q, heads, d, bounds, out));
         Ok(())
     }
-}
 
-impl CpuBackend {
     /// Appends `base + i` to `out` for every `values[i] > threshold` (NaN
     /// never passes), in order: the MAW rule's scan, one vector compare per
     /// `LANES` entries and scalar work only where a vector has a hit.

@@ -247,7 +247,7 @@ impl DenseAttention for CpuBackend {
     }
 
     fn wait(&self, p: CpuPending, out: PartialMut<'_>, weights: Option<&mut [f32]>) -> Result<()> {
-        match (weights, self.finish(p, out)?) {
+        match (weights, self.take_pending(p, out)?) {
             (None, _) => Ok(()),
             (Some(dst), Some(src)) => {
                 check_len("weights", src.len(), dst.len())?;
@@ -265,7 +265,7 @@ impl DenseAttention for CpuBackend {
         out: PartialMut<'_>,
         weights: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut src = self.finish(p, out)?.ok_or_else(no_weights)?;
+        let mut src = self.take_pending(p, out)?.ok_or_else(no_weights)?;
         check_len("weights", src.len(), weights.len())?;
         // Swap, do not copy: the caller's old buffer is reused next step.
         std::mem::swap(weights, &mut src);
@@ -276,7 +276,7 @@ impl DenseAttention for CpuBackend {
 
 impl CpuBackend {
     /// The common part of the waits: the partial into `out`; the weights, if any, back.
-    fn finish(&self, p: CpuPending, mut out: PartialMut<'_>) -> Result<Option<Vec<f32>>> {
+    fn take_pending(&self, p: CpuPending, mut out: PartialMut<'_>) -> Result<Option<Vec<f32>>> {
         if out.layout() != p.partial.layout() {
             return Err(Error::ShapeMismatch {
                 what: "output partial",
