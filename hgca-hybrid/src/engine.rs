@@ -200,10 +200,10 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     stats: StepStats,
     /// Per-KV-head scratch of the selection.
     heads: Vec<HeadScratch>,
-    /// Reused weight buffers of the two sides and the group means.
+    /// Reused weight buffers of the two sides, and the per-head factors to the union.
     gpu_w: Vec<f32>,
     cpu_w: Vec<f32>,
-    mean: Vec<f32>,
+    to_union: Vec<f32>,
     evict_k: Vec<T>,
     evict_v: Vec<T>,
 }
@@ -261,7 +261,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             heads: Vec::new(),
             gpu_w: Vec::new(),
             cpu_w: Vec::new(),
-            mean: Vec::new(),
+            to_union: Vec::new(),
             evict_k: Vec::new(),
             evict_v: Vec::new(),
             cpu: CpuBackend::new(),
@@ -600,34 +600,34 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             run(&mut tail[..first], 0);
             run(&mut wrapped[..n_win - first], first);
         });
-        let mut mean = std::mem::take(&mut self.mean);
-        for g in 0..s.kv_heads() {
-            // CPU entries that were attended.
-            let idx = self.sel.head(g);
-            mean.clear();
-            mean.resize(idx.len(), 0.0);
-            let base = group * self.sel.offset(g);
-            for i in 0..group {
-                let h = g * group + i;
-                let f = if cpu.lse()[h] == f32::NEG_INFINITY {
-                    0.0
-                } else {
-                    (cpu.lse()[h] - lse[h]).exp() / group as f32
-                };
-                for (m, &w) in mean
-                    .iter_mut()
-                    .zip(&cpu_w[base + i * idx.len()..base + (i + 1) * idx.len()])
-                {
-                    *m += w * f;
-                }
+        // CPU entries that were attended: the group mean of their
+        // union-normalised weights, per KV head on the backend's threads.
+        // `f[h]` rescales head h's CPU-side weights to the union.
+        let f = &mut self.to_union;
+        f.clear();
+        f.extend(cpu.lse().iter().zip(lse).map(|(&c, &u)| {
+            if c == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (c - u).exp() / group as f32
             }
-            let maw = &mut self.maw[g];
-            for (&j, &w) in idx.iter().zip(&mean) {
-                let m = &mut maw[j as usize];
-                *m = a * *m + (1.0 - a) * w;
+        }));
+        let (sel, f) = (&self.sel, &*f);
+        self.cpu.for_chunks(&mut self.maw, 1, |g, maw| {
+            let idx = sel.head(g);
+            let len = idx.len();
+            let w = &cpu_w[group * sel.offset(g)..][..group * len];
+            let f = &f[g * group..(g + 1) * group];
+            for (k, &j) in idx.iter().enumerate() {
+                let mean: f32 = f
+                    .iter()
+                    .enumerate()
+                    .map(|(i, fi)| w[i * len + k] * fi)
+                    .sum();
+                let m = &mut maw[0][j as usize];
+                *m = a * *m + (1.0 - a) * mean;
             }
-        }
-        self.mean = mean;
+        });
     }
 
     /// Re-evaluates the MAW of every entry (window and CPU) from the exact
