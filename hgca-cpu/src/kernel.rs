@@ -326,8 +326,9 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     }
 }
 
-/// `o_h += sum_j p[h][j] * v_j` for `H` heads, two vectors of `d` per pass
-/// (2H independent FMA chains).
+/// `o_h += sum_j p[h][j] * v_j` for `H` heads: passes over `W` vectors of
+/// `d` (4, then 2, then 1), `W * H` independent FMA chains, so an FMA's
+/// latency is covered with room to spare; then the scalar tail.
 #[inline(always)]
 fn values_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
@@ -338,54 +339,64 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
     o: &mut [f32],
 ) {
     let lanes = S::F32_LANES;
-    let full = d - d % lanes;
-    let full2 = d - d % (2 * lanes);
     let mut c = 0;
-    while c < full2 {
-        let mut a0 = [s.splat_f32s(0.0); H];
-        let mut a1 = [s.splat_f32s(0.0); H];
-        for h in 0..H {
-            a0[h] = load(s, &o[h * d + c..]);
-            a1[h] = load(s, &o[h * d + c + lanes..]);
-        }
-        for (j, v) in vrows.iter().enumerate().take(n) {
-            let v = &v[c..c + 2 * lanes];
-            let (v0, v1) = (T::load(s, v), T::load(s, &v[lanes..]));
-            for h in 0..H {
-                let pj = s.splat_f32s(p[h][j]);
-                a0[h] = s.mul_add_f32s(pj, v0, a0[h]);
-                a1[h] = s.mul_add_f32s(pj, v1, a1[h]);
-            }
-        }
-        for h in 0..H {
-            store(s, &mut o[h * d + c..], a0[h]);
-            store(s, &mut o[h * d + c + lanes..], a1[h]);
-        }
+    while c + 4 * lanes <= d {
+        values_pass::<S, T, H, 4>(s, vrows, n, p, d, o, c);
+        c += 4 * lanes;
+    }
+    if c + 2 * lanes <= d {
+        values_pass::<S, T, H, 2>(s, vrows, n, p, d, o, c);
         c += 2 * lanes;
     }
-    while c < full {
-        let mut acc = [s.splat_f32s(0.0); H];
-        for h in 0..H {
-            acc[h] = load(s, &o[h * d + c..]);
-        }
-        for (j, v) in vrows.iter().enumerate().take(n) {
-            let vv = T::load(s, &v[c..]);
-            for h in 0..H {
-                acc[h] = s.mul_add_f32s(s.splat_f32s(p[h][j]), vv, acc[h]);
-            }
-        }
-        for h in 0..H {
-            store(s, &mut o[h * d + c..], acc[h]);
-        }
+    if c + lanes <= d {
+        values_pass::<S, T, H, 1>(s, vrows, n, p, d, o, c);
         c += lanes;
     }
-    for t in full..d {
+    for t in c..d {
         for h in 0..H {
             let mut x = o[h * d + t];
             for (j, v) in vrows.iter().enumerate().take(n) {
                 x += p[h][j] * v[t].to_f32();
             }
             o[h * d + t] = x;
+        }
+    }
+}
+
+/// One pass of [`values_block`] over columns `c .. c + W * LANES`.
+#[inline(always)]
+fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
+    s: S,
+    vrows: &[&[T]; BLOCK],
+    n: usize,
+    p: &[[f32; BLOCK]],
+    d: usize,
+    o: &mut [f32],
+    c: usize,
+) {
+    let lanes = S::F32_LANES;
+    let mut acc = [[s.splat_f32s(0.0); W]; H];
+    for (h, a) in acc.iter_mut().enumerate() {
+        for (w, x) in a.iter_mut().enumerate() {
+            *x = load(s, &o[h * d + c + w * lanes..]);
+        }
+    }
+    for (j, v) in vrows.iter().enumerate().take(n) {
+        let v = &v[c..c + W * lanes];
+        let mut vv = [s.splat_f32s(0.0); W];
+        for (w, x) in vv.iter_mut().enumerate() {
+            *x = T::load(s, &v[w * lanes..]);
+        }
+        for (h, a) in acc.iter_mut().enumerate() {
+            let pj = s.splat_f32s(p[h][j]);
+            for (x, &y) in a.iter_mut().zip(&vv) {
+                *x = s.mul_add_f32s(pj, y, *x);
+            }
+        }
+    }
+    for (h, a) in acc.iter().enumerate() {
+        for (w, &x) in a.iter().enumerate() {
+            store(s, &mut o[h * d + c + w * lanes..], x);
         }
     }
 }
