@@ -15,7 +15,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
 use half::{bf16, f16};
-use hgca_benches::{Probe, Report, fill};
+use hgca_benches::{BenchBuf, Probe, Report, fill};
 use hgca_cpu::{CpuBackend, Isa, IsaKind, Par};
 use hgca_kernels::{
     AttnShape, KvElem, KvSlices, Partial, PartialLayout, Selection, SparseAttention,
@@ -74,8 +74,8 @@ fn sample(n: usize, m: usize, seed: u64) -> Vec<u32> {
 }
 
 struct Data<T> {
-    k: Vec<T>,
-    v: Vec<T>,
+    k: BenchBuf<T>,
+    v: BenchBuf<T>,
     q: Vec<f32>,
     /// Selections the iterations take in turn (see [`data`]).
     sels: Vec<Selection>,
@@ -83,14 +83,7 @@ struct Data<T> {
 
 fn data<T: KvElem>(c: &Cfg) -> Data<T> {
     let n = c.kv_heads * c.tokens * c.d;
-    let huge = std::env::var_os("HGCA_BENCH_NO_HUGEPAGES").is_none();
-    let conv = |x: Vec<f32>| {
-        if huge {
-            hgca_benches::huge_vec(x.len(), |i| T::from_f32(x[i]))
-        } else {
-            x.into_iter().map(T::from_f32).collect::<Vec<T>>()
-        }
-    };
+    let conv = |x: Vec<f32>| BenchBuf::from_fn(x.len(), |i| T::from_f32(x[i]));
     let m = ((c.tokens as f64 * c.frac).round() as usize).min(c.tokens);
     // Iterations rotate over several random selections whose union is
     // about half the store: one selection repeated would leave its rows in
@@ -188,8 +181,8 @@ fn run_candle(crit: &mut Criterion, rep: &Report, c: Cfg) {
     let sel = &dat.sels[0];
     let m = sel.head(0).len();
     let (hk, n, d, g) = (c.kv_heads, c.tokens, c.d, c.q_heads / c.kv_heads);
-    let k = Tensor::from_vec(dat.k.clone(), (hk * n, d), &dev).unwrap();
-    let v = Tensor::from_vec(dat.v.clone(), (hk * n, d), &dev).unwrap();
+    let k = Tensor::from_vec(dat.k.to_vec(), (hk * n, d), &dev).unwrap();
+    let v = Tensor::from_vec(dat.v.to_vec(), (hk * n, d), &dev).unwrap();
     let flat: Vec<u32> = (0..hk)
         .flat_map(|h| sel.head(h).iter().map(move |&j| (h * n) as u32 + j))
         .collect();

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use hgca_kernels::{HostBuf, KvElem};
 use pulp::Simd;
 
 /// Deterministic pseudo-random f32 in `[-1, 1)` (no dependency, no hidden zeros).
@@ -21,27 +22,40 @@ pub fn fill(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// A vector of `n` elements from `f`, whose pages are asked to be
-/// transparent huge pages before the first touch (`madvise`; the kernel may
-/// refuse). A KV cache of GiBs gathered at random rows otherwise spends its
-/// time in page walks, and an inference engine would map it this way.
-pub fn huge_vec<T: Copy>(n: usize, mut f: impl FnMut(usize) -> T) -> Vec<T> {
-    let mut v: Vec<T> = Vec::with_capacity(n);
-    let bytes = n * core::mem::size_of::<T>();
-    if bytes >= 1 << 21 {
-        let p = v.as_mut_ptr() as usize;
-        let start = (p + (1 << 21) - 1) & !((1 << 21) - 1);
-        let end = (p + bytes) & !((1 << 21) - 1);
-        if end > start {
-            // SAFETY: the range lies inside the vector's own allocation;
-            // madvise only changes how the kernel backs those pages.
-            unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-            }
+/// Host memory for a bench's big buffers (KV, probes): a [`HostBuf`] on
+/// transparent huge pages, as hgca's own stores are, unless
+/// `HGCA_BENCH_NO_HUGEPAGES` is set (then a plain `Vec`, to see what the
+/// page size is worth). The streaming and gather probes use the same memory
+/// as the kernels, so a percentage compares like with like.
+#[derive(Debug)]
+pub enum BenchBuf<T> {
+    /// Transparent huge pages requested.
+    Huge(HostBuf<T>),
+    /// The allocator's memory.
+    Plain(Vec<T>),
+}
+
+impl<T: KvElem> BenchBuf<T> {
+    /// `n` elements `f(0), f(1), ..`.
+    pub fn from_fn(n: usize, f: impl FnMut(usize) -> T) -> Self {
+        if std::env::var_os("HGCA_BENCH_NO_HUGEPAGES").is_some() {
+            BenchBuf::Plain((0..n).map(f).collect())
+        } else {
+            let mut b = HostBuf::zeroed(n).expect("bench buffer");
+            b.iter_mut().zip((0..n).map(f)).for_each(|(d, x)| *d = x);
+            BenchBuf::Huge(b)
         }
     }
-    v.extend((0..n).map(&mut f));
-    v
+}
+
+impl<T: KvElem> core::ops::Deref for BenchBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            BenchBuf::Huge(b) => b,
+            BenchBuf::Plain(v) => v,
+        }
+    }
 }
 
 /// Sums a slice with the best SIMD of the machine (the probe's kernel).
@@ -110,7 +124,10 @@ fn gather_sum(buf: &[f32], idx: &[usize], per: usize) -> f32 {
 /// Streaming-read bandwidth in bytes/s over a buffer of `bytes`, on
 /// `threads` threads (each sums its own contiguous part), best of `reps`.
 pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
-    let buf = fill(bytes / 4, 77);
+    let buf = {
+        let x = fill(bytes / 4, 77);
+        BenchBuf::from_fn(x.len(), |i| x[i])
+    };
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -137,7 +154,7 @@ const GATHER_ROW: usize = 256;
 /// sums its half of the rows.
 /// Each repetition takes a new selection, so the rows are not cache hits.
 pub fn gather_bandwidth(threads: usize, reps: usize) -> f64 {
-    let buf = huge_vec((1usize << 30) / 4, |i| (i % 7) as f32);
+    let buf = BenchBuf::from_fn((1usize << 30) / 4, |i| (i % 7) as f32);
     let per = GATHER_ROW / 4;
     let rows = buf.len() / per;
     let pool = rayon::ThreadPoolBuilder::new()

@@ -6,7 +6,9 @@
 use std::time::Instant;
 
 use hgca_cpu::{CpuBackend, IsaKind, Par};
-use hgca_kernels::{AttnShape, KvSlices, Partial, PartialLayout, Selection, SparseAttention, f16};
+use hgca_kernels::{
+    AttnShape, HostBuf, KvSlices, Partial, PartialLayout, Selection, SparseAttention, f16,
+};
 
 fn main() -> Result<(), hgca_kernels::Error> {
     let kind = match std::env::args().nth(1).as_deref() {
@@ -25,9 +27,12 @@ fn main() -> Result<(), hgca_kernels::Error> {
         .filter(|&t| t <= max)
     {
         let n = 8 * tokens * 128;
-        let k: Vec<f16> = (0..n)
-            .map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5))
-            .collect();
+        // Host memory as hgca's stores get it (transparent huge pages).
+        let k = HostBuf::from_slice(
+            &(0..n)
+                .map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 1000.0 - 0.5))
+                .collect::<Vec<_>>(),
+        )?;
         let v = k.clone();
         let kv = KvSlices::new(8, 128, tokens, &k, &v)?;
         let q: Vec<f32> = (0..32 * 128).map(|i| (i % 17) as f32 / 17.0).collect();

@@ -2,27 +2,29 @@
 //! attention over it, so the hybrid pipeline runs end to end without a GPU.
 
 use hgca_kernels::{
-    AttnShape, DType, DenseAttention, Error, KvElem, KvSource, KvWindow, Partial, PartialLayout,
-    PartialMut, Result, WindowBackend, WindowSpec, bf16, check_len, f16,
+    AttnShape, DType, DenseAttention, Error, HostBuf, KvElem, KvSource, KvWindow, Partial,
+    PartialLayout, PartialMut, Result, WindowBackend, WindowSpec, bf16, check_len, f16,
 };
 
 use crate::CpuBackend;
 
-/// K or V of a window, in its storage dtype, `[kv_heads, capacity, d]`.
+/// K or V of a window, in its storage dtype, `[kv_heads, capacity, d]`, on
+/// transparent huge pages where the OS has them (a window is read whole
+/// every step).
 #[derive(Debug, Clone)]
 enum Buf {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
+    F32(HostBuf<f32>),
+    F16(HostBuf<f16>),
+    BF16(HostBuf<bf16>),
 }
 
 impl Buf {
-    fn new(dtype: DType, n: usize) -> Self {
-        match dtype {
-            DType::F32 => Buf::F32(vec![0.0; n]),
-            DType::F16 => Buf::F16(vec![f16::ZERO; n]),
-            DType::BF16 => Buf::BF16(vec![bf16::ZERO; n]),
-        }
+    fn new(dtype: DType, n: usize) -> Result<Self> {
+        Ok(match dtype {
+            DType::F32 => Buf::F32(HostBuf::zeroed(n)?),
+            DType::F16 => Buf::F16(HostBuf::zeroed(n)?),
+            DType::BF16 => Buf::BF16(HostBuf::zeroed(n)?),
+        })
     }
     fn write(&mut self, at: usize, src: &[f32]) {
         fn go<T: KvElem>(dst: &mut [T], src: &[f32]) {
@@ -162,8 +164,8 @@ impl WindowBackend for CpuBackend {
             })?;
         Ok(CpuWindow {
             spec,
-            k: Buf::new(spec.dtype, n),
-            v: Buf::new(spec.dtype, n),
+            k: Buf::new(spec.dtype, n)?,
+            v: Buf::new(spec.dtype, n)?,
             head: 0,
             len: 0,
             start: 0,

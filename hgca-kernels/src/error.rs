@@ -72,6 +72,16 @@ pub enum Error {
         /// What the operation needed.
         requested: usize,
     },
+    /// The operating system refused memory (or the size overflows).
+    #[error("{what}: could not get {bytes} bytes of memory: {reason}")]
+    OutOfMemory {
+        /// What needed the memory.
+        what: &'static str,
+        /// Bytes asked for.
+        bytes: usize,
+        /// The OS's reason.
+        reason: String,
+    },
     /// The element type is not supported by this backend or device.
     #[error("dtype {dtype} is not supported by {backend}: {reason}")]
     UnsupportedDType {

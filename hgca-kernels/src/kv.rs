@@ -1,6 +1,6 @@
 //! The CPU KV store (head-major, paged in blocks) and per-KV-head selections.
 
-use crate::{AttnShape, Error, KvElem, Result, error::check_len};
+use crate::{AttnShape, Error, HostBuf, KvElem, Result, error::check_len};
 
 /// Read access to head-major KV rows: `k_row(h, j)` is the `d` contiguous
 /// elements of token `j` of KV head `h`. Kernels are generic over it.
@@ -117,7 +117,10 @@ impl<T: KvElem> KvSource<T> for KvSlices<'_, T> {
 ///
 /// Block `b` holds tokens `b*B .. (b+1)*B` of every KV head, laid out
 /// `[kv_heads][B][d]`, so every row stays contiguous and an appended token
-/// is copied exactly once. `B` is a power of two.
+/// is copied exactly once (the store never reallocates). `B` is a power of
+/// two. Blocks live in chunks of 1, 2, 4, ... blocks, each a [`HostBuf`]:
+/// once a chunk reaches 2 MiB it sits on transparent huge pages, so rows
+/// gathered at random from a large store do not each cost a page walk.
 ///
 /// ```
 /// use hgca_kernels::{KvSource, KvStore};
@@ -129,14 +132,28 @@ impl<T: KvElem> KvSource<T> for KvSlices<'_, T> {
 /// assert_eq!(s.k_row(1, 2), &[20.0, 21.0, 22.0, 23.0]);
 /// # Ok::<(), hgca_kernels::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct KvStore<T> {
     kv_heads: usize,
     head_dim: usize,
     shift: u32,
     tokens: usize,
-    k: Vec<Box<[T]>>,
-    v: Vec<Box<[T]>>,
+    /// Chunk `c` holds blocks `2^c - 1 .. 2^(c+1) - 1`.
+    k: Vec<HostBuf<T>>,
+    v: Vec<HostBuf<T>>,
+}
+
+impl<T: KvElem> Clone for KvStore<T> {
+    fn clone(&self) -> Self {
+        Self {
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            shift: self.shift,
+            tokens: self.tokens,
+            k: self.k.clone(),
+            v: self.v.clone(),
+        }
+    }
 }
 
 impl<T: KvElem> KvStore<T> {
@@ -187,8 +204,7 @@ impl<T: KvElem> KvStore<T> {
         let (hk, d) = (self.kv_heads, self.head_dim);
         check_len("k", hk * n * d, k.len())?;
         check_len("v", hk * n * d, v.len())?;
-        self.push_with(n, |h, i| (h * n + i) * d, k, v);
-        Ok(())
+        self.push_with(n, |h, i| (h * n + i) * d, k, v)
     }
     /// Appends `n` tokens given token-major, `[n, kv_heads, d]` (the layout
     /// a model produces).
@@ -199,30 +215,62 @@ impl<T: KvElem> KvStore<T> {
         let (hk, d) = (self.kv_heads, self.head_dim);
         check_len("k", hk * n * d, k.len())?;
         check_len("v", hk * n * d, v.len())?;
-        self.push_with(n, |h, i| (i * hk + h) * d, k, v);
-        Ok(())
+        self.push_with(n, |h, i| (i * hk + h) * d, k, v)
     }
-    fn push_with(&mut self, n: usize, src_off: impl Fn(usize, usize) -> usize, k: &[T], v: &[T]) {
-        let (hk, d, bt) = (self.kv_heads, self.head_dim, self.block_tokens());
-        for i in 0..n {
-            let j = self.tokens;
-            if j >> self.shift == self.k.len() {
-                let len = self.block_len();
-                self.k.push(vec![T::default(); len].into_boxed_slice());
-                self.v.push(vec![T::default(); len].into_boxed_slice());
+    fn push_with(
+        &mut self,
+        n: usize,
+        src_off: impl Fn(usize, usize) -> usize,
+        k: &[T],
+        v: &[T],
+    ) -> Result<()> {
+        let hk = self.kv_heads;
+        let d = self.head_dim;
+        // Map every chunk the new tokens need first, so a refused mapping
+        // leaves the store as it was.
+        if let Some(last) = (self.tokens + n).checked_sub(1) {
+            let need = self.locate(0, last).0 + 1;
+            while self.k.len() < need {
+                let len =
+                    self.block_len()
+                        .checked_mul(1 << self.k.len())
+                        .ok_or(Error::Capacity {
+                            what: "kv store elements",
+                            capacity: usize::MAX,
+                            requested: self.tokens + n,
+                        })?;
+                let (kc, vc) = (HostBuf::zeroed(len)?, HostBuf::zeroed(len)?);
+                self.k.push(kc);
+                self.v.push(vc);
             }
-            let (b, r) = (j >> self.shift, j & (bt - 1));
+        }
+        for i in 0..n {
             for h in 0..hk {
-                let (s, t) = (src_off(h, i), (h * bt + r) * d);
-                self.k[b][t..t + d].copy_from_slice(&k[s..s + d]);
-                self.v[b][t..t + d].copy_from_slice(&v[s..s + d]);
+                let (c, t) = self.locate(h, self.tokens);
+                let s = src_off(h, i);
+                self.k[c][t..t + d].copy_from_slice(&k[s..s + d]);
+                self.v[c][t..t + d].copy_from_slice(&v[s..s + d]);
             }
             self.tokens += 1;
         }
+        Ok(())
     }
-    /// Bytes of K and V held (allocated blocks).
+    /// Chunk and element offset of row `(h, j)`.
+    #[inline(always)]
+    fn locate(&self, h: usize, j: usize) -> (usize, usize) {
+        let bt = 1usize << self.shift;
+        // Block b lives in chunk c = floor(log2(b + 1)), at index
+        // b + 1 - 2^c inside it.
+        let x = (j >> self.shift) + 1;
+        let c = x.ilog2() as usize;
+        let in_chunk = x ^ (1 << c);
+        let o = (in_chunk * self.kv_heads + h) * bt + (j & (bt - 1));
+        (c, o * self.head_dim)
+    }
+    /// Bytes of K and V held (the blocks in use; each chunk maps up to
+    /// twice its used blocks in address space, touched only as it fills).
     pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.block_len() * core::mem::size_of::<T>()
+        2 * self.tokens.div_ceil(self.block_tokens()) * self.block_len() * core::mem::size_of::<T>()
     }
 }
 
@@ -238,15 +286,13 @@ impl<T: KvElem> KvSource<T> for KvStore<T> {
     }
     #[inline(always)]
     fn k_row(&self, h: usize, j: usize) -> &[T] {
-        let bt = 1usize << self.shift;
-        let o = (h * bt + (j & (bt - 1))) * self.head_dim;
-        &self.k[j >> self.shift][o..o + self.head_dim]
+        let (c, o) = self.locate(h, j);
+        &self.k[c][o..o + self.head_dim]
     }
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
-        let bt = 1usize << self.shift;
-        let o = (h * bt + (j & (bt - 1))) * self.head_dim;
-        &self.v[j >> self.shift][o..o + self.head_dim]
+        let (c, o) = self.locate(h, j);
+        &self.v[c][o..o + self.head_dim]
     }
 }
 

@@ -87,8 +87,27 @@ fn kv_store_layouts_agree() {
     let slices = KvSlices::new(hk, d, n, &k, &v).unwrap();
     let mut head_major = KvStore::<f32>::new(hk, d, 16).unwrap();
     head_major.push_head_major(n, &k, &v).unwrap();
-    // The same tokens, pushed token-major in uneven pieces.
-    let mut token_major = KvStore::<f32>::new(hk, d, 8).unwrap();
+    // The same tokens, pushed token-major in uneven pieces, with blocks of
+    // 1 token (70 blocks: chunks of 1, 2, .., 64 blocks) and of 8.
+    for bt in [1, 8] {
+        token_major_agrees(&slices, bt);
+    }
+    for h in 0..hk {
+        for t in 0..n {
+            assert_eq!(head_major.k_row(h, t), slices.k_row(h, t));
+            assert_eq!(head_major.v_row(h, t), slices.v_row(h, t));
+        }
+    }
+    assert_eq!(head_major.bytes(), 2 * 5 * 16 * hk * d * 4);
+    assert!(KvStore::<f32>::new(1, 1, 12).is_err());
+    assert!(head_major.push_head_major(2, &k[..3], &v[..3]).is_err());
+    assert_eq!(head_major.tokens(), n, "a refused push keeps the store");
+    assert!(KvSlices::new(hk, d, n + 1, &k, &v).is_err());
+}
+
+fn token_major_agrees(slices: &KvSlices<'_, f32>, bt: usize) {
+    let (hk, d, n) = (slices.kv_heads(), slices.head_dim(), slices.tokens());
+    let mut token_major = KvStore::<f32>::new(hk, d, bt).unwrap();
     let mut j = 0;
     for piece in [1usize, 7, 8, 9, 45] {
         let mut kt = Vec::new();
@@ -103,16 +122,16 @@ fn kv_store_layouts_agree() {
         j += piece;
     }
     assert_eq!(j, n);
+    let copy = token_major.clone();
     for h in 0..hk {
         for t in 0..n {
-            assert_eq!(head_major.k_row(h, t), slices.k_row(h, t));
-            assert_eq!(token_major.k_row(h, t), slices.k_row(h, t));
-            assert_eq!(token_major.v_row(h, t), slices.v_row(h, t));
+            assert_eq!(token_major.k_row(h, t), slices.k_row(h, t), "bt {bt}");
+            assert_eq!(token_major.v_row(h, t), slices.v_row(h, t), "bt {bt}");
+            assert_eq!(copy.k_row(h, t), slices.k_row(h, t), "bt {bt}");
+            assert_eq!(copy.v_row(h, t), slices.v_row(h, t), "bt {bt}");
         }
     }
-    assert!(KvStore::<f32>::new(1, 1, 12).is_err());
-    assert!(head_major.push_head_major(2, &k[..3], &v[..3]).is_err());
-    assert!(KvSlices::new(hk, d, n + 1, &k, &v).is_err());
+    assert_eq!(token_major.bytes(), 2 * n.div_ceil(bt) * bt * hk * d * 4);
 }
 
 proptest! {
