@@ -144,35 +144,41 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     mut scores: Option<ScoreOut<'_>>,
 ) {
     debug_assert!(heads <= MAX_HEADS && q.len() == heads * d && o.len() == heads * d);
-    let mut cur = [0usize; BLOCK];
-    let mut next = [0usize; BLOCK];
-    let mut n = tokens.next_block(&mut cur);
+    // Row slices of this block (`krows[c]`) and of the next (`krows[1 - c]`):
+    // each row is located once, when it is first prefetched.
+    let empty: &[T] = &[];
+    let mut krows = [[empty; BLOCK]; 2];
+    let mut vrows = [[empty; BLOCK]; 2];
+    let mut idx = [0usize; BLOCK];
+    let mut c = 0;
+    let mut n = tokens.next_block(&mut idx);
+    for (i, &j) in idx[..n].iter().enumerate() {
+        krows[c][i] = kv.k_row(g, j);
+        vrows[c][i] = kv.v_row(g, j);
+    }
     let mut done = 0usize;
     let mut sc = [[0.0f32; BLOCK]; MAX_HEADS];
     while n > 0 {
-        let n_next = tokens.next_block(&mut next);
-        // The next block's rows, prefetched by the first score pass.
-        let mut ahead: [&[T]; 2 * BLOCK] = [kv.k_row(g, cur[0]); 2 * BLOCK];
-        for (i, &j) in next[..n_next].iter().enumerate() {
-            ahead[2 * i] = kv.k_row(g, j);
-            ahead[2 * i + 1] = kv.v_row(g, j);
+        let n_next = tokens.next_block(&mut idx);
+        for (i, &j) in idx[..n_next].iter().enumerate() {
+            krows[1 - c][i] = kv.k_row(g, j);
+            vrows[1 - c][i] = kv.v_row(g, j);
         }
-        let mut krows: [&[T]; BLOCK] = [kv.k_row(g, cur[0]); BLOCK];
-        let mut vrows: [&[T]; BLOCK] = [kv.v_row(g, cur[0]); BLOCK];
-        for i in 1..n {
-            krows[i] = kv.k_row(g, cur[i]);
-            vrows[i] = kv.v_row(g, cur[i]);
-        }
+        let (kr, vr) = (&krows[c], &vrows[c]);
         let mut h0 = 0;
         while h0 < heads {
             let q = &q[h0 * d..];
             let sc = &mut sc[h0..];
-            let pf = if h0 == 0 { &ahead[..2 * n_next] } else { &[] };
+            let pf: [&[&[T]]; 2] = if h0 == 0 {
+                [&krows[1 - c][..n_next], &vrows[1 - c][..n_next]]
+            } else {
+                [&[], &[]]
+            };
             match heads - h0 {
-                1 => scores_block::<S, T, 1>(s, &krows, n, q, d, sc, pf),
-                2 => scores_block::<S, T, 2>(s, &krows, n, q, d, sc, pf),
-                3 => scores_block::<S, T, 3>(s, &krows, n, q, d, sc, pf),
-                _ => scores_block::<S, T, 4>(s, &krows, n, q, d, sc, pf),
+                1 => scores_block::<S, T, 1>(s, kr, n, q, d, sc, pf),
+                2 => scores_block::<S, T, 2>(s, kr, n, q, d, sc, pf),
+                3 => scores_block::<S, T, 3>(s, kr, n, q, d, sc, pf),
+                _ => scores_block::<S, T, 4>(s, kr, n, q, d, sc, pf),
             }
             h0 += 4;
         }
@@ -223,15 +229,15 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
             let o = &mut o[h0 * d..];
             let p = &sc[h0..];
             match heads - h0 {
-                1 => values_block::<S, T, 1>(s, &vrows, n, p, d, o),
-                2 => values_block::<S, T, 2>(s, &vrows, n, p, d, o),
-                3 => values_block::<S, T, 3>(s, &vrows, n, p, d, o),
-                _ => values_block::<S, T, 4>(s, &vrows, n, p, d, o),
+                1 => values_block::<S, T, 1>(s, vr, n, p, d, o),
+                2 => values_block::<S, T, 2>(s, vr, n, p, d, o),
+                3 => values_block::<S, T, 3>(s, vr, n, p, d, o),
+                _ => values_block::<S, T, 4>(s, vr, n, p, d, o),
             }
             h0 += 4;
         }
         done += n;
-        core::mem::swap(&mut cur, &mut next);
+        c = 1 - c;
         n = n_next;
     }
 }
@@ -250,7 +256,8 @@ fn scale_row<S: Simd>(s: S, o: &mut [f32], alpha: f32) {
 
 /// Scores of `n` tokens for `H` heads: `sc[h][j] = dot(q_h, k_j)`.
 /// Two tokens at a time: 2H independent FMA chains for the out-of-order core.
-/// The rows of `pf` are prefetched along the way, an equal share per pair.
+/// The K and V rows of `pf` are prefetched along the way, an equal share
+/// per pair.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn scores_block<S: Kern, T: SimdElem, const H: usize>(
@@ -260,9 +267,10 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     q: &[f32],
     d: usize,
     sc: &mut [[f32; BLOCK]],
-    mut pf: &[&[T]],
+    pf: [&[&[T]]; 2],
 ) {
-    let per = pf.len().div_ceil(n.div_ceil(2));
+    let [mut pf_k, mut pf_v] = pf;
+    let per = pf_k.len().div_ceil(n.div_ceil(2));
     let lanes = S::F32_LANES;
     let full = d - d % lanes;
     let mut qh: [&[f32]; H] = [&q[..d]; H];
@@ -274,11 +282,13 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
         let two = j + 1 < n;
         let k0 = &krows[j][..d];
         let k1 = &krows[if two { j + 1 } else { j }][..d];
-        let (now, later) = pf.split_at(per.min(pf.len()));
-        for r in now {
-            prefetch_row(s, r);
+        for pf in [&mut pf_k, &mut pf_v] {
+            let (now, later) = pf.split_at(per.min(pf.len()));
+            for r in now {
+                prefetch_row(s, r);
+            }
+            *pf = later;
         }
-        pf = later;
         let mut a0 = [s.splat_f32s(0.0); H];
         let mut a1 = [s.splat_f32s(0.0); H];
         let mut c = 0;
