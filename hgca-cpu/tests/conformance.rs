@@ -484,6 +484,32 @@ macro_rules! isa_suite {
             }
 
             #[test]
+            fn block_bounds_with_infinite_keys() {
+                // hi = +inf where q < 0 and lo = -inf where q > 0: the bound
+                // is finite (sum of |q|), but the split-sign sum meets
+                // 0 * inf there and must fall back, never give NaN. Lengths
+                // cover the vector body and the tail.
+                let Some(b) = backend($kind, Par::Seq) else { return };
+                for d in [1usize, 7, 16, 33, 64] {
+                    let qh: Vec<f32> = (0..d).map(|i| if i % 2 == 0 { -2.0 } else { 1.5 }).collect();
+                    let q = [qh.clone(), qh.clone()].concat();
+                    let mut lo = vec![f16::from_f32(-1.0); d];
+                    let mut hi = vec![f16::from_f32(1.0); d];
+                    hi[0] = f16::INFINITY;
+                    if d > 1 {
+                        lo[d - 1 - (d % 2 == 1) as usize] = f16::NEG_INFINITY;
+                    }
+                    let bounds: Vec<f16> = lo.iter().chain(&hi).copied().collect();
+                    let mut out = vec![f32::NAN; 2];
+                    b.block_upper_bounds(&q, 2, d, &bounds, &mut out).unwrap();
+                    let want: f32 = qh.iter().map(|x| x.abs()).sum();
+                    for &got in &out {
+                        assert!((got - want).abs() <= 1e-5 * want, "d {d}: {got} vs {want}");
+                    }
+                }
+            }
+
+            #[test]
             fn edge_table() {
                 for par in pars() {
                     let Some(b) = backend($kind, par) else { return };
