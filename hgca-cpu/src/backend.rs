@@ -10,7 +10,7 @@ use hgca_kernels::{
 };
 use pulp::Simd;
 
-use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load};
+use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load, store};
 use crate::kernel::{
     ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
 };
@@ -609,6 +609,138 @@ impl CpuBackend {
     pub fn indices_above(&self, values: &[f32], threshold: f32, base: u32, out: &mut Vec<u32>) {
         dispatch!(self.isa, s => above_simd(s, values, threshold, base, out))
     }
+
+    /// One step of a moving average of attention weights (the MAW update),
+    /// in one vectorised pass: with `len = at.map_or(avg.len(), <[u32]>::len)`
+    /// and weight rows `w_i = w[i * stride..][..len]` for `i < c.len()`,
+    ///
+    /// - `at == None`: `avg[j] = a * avg[j] + Σ_i c[i] * w_i[j]` for `j < len`;
+    /// - `at == Some(idx)`: `avg[idx[k]] = a * avg[idx[k]] + Σ_i c[i] * w_i[k]`
+    ///   for `k < len` (the weights of a gathered selection; indices are
+    ///   expected distinct, a repeated one is updated once per occurrence).
+    ///
+    /// Equal up to f32 rounding (fused multiply-adds) to the formula in f64.
+    ///
+    /// ```
+    /// let cpu = hgca_cpu::CpuBackend::new();
+    /// let mut avg = vec![1.0f32; 4];
+    /// // two weight rows of 2 entries, stride 2: [0.5, 0.25] and [1.0, 0.0]
+    /// cpu.decay_accumulate(&mut avg, Some(&[3, 0]), 0.5, &[0.5, 0.25, 1.0, 0.0], 2, &[1.0, 0.5])?;
+    /// assert_eq!(avg, [0.75, 1.0, 1.0, 1.5]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `w` is too short for `c.len()` rows of `len` at
+    /// `stride`, or `stride < len` with more than one row; [`Error::Index`]
+    /// for an index `>= avg.len()`. Nothing is written then.
+    pub fn decay_accumulate(
+        &self,
+        avg: &mut [f32],
+        at: Option<&[u32]>,
+        a: f32,
+        w: &[f32],
+        stride: usize,
+        c: &[f32],
+    ) -> Result<()> {
+        let len = at.map_or(avg.len(), <[u32]>::len);
+        if c.len() > 1 && stride < len {
+            return Err(Error::Length {
+                what: "decay_accumulate stride (at least the row length)",
+                expected: len,
+                found: stride,
+            });
+        }
+        let need = match c.len() {
+            0 => 0,
+            rows => (rows - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add(len))
+                .unwrap_or(usize::MAX),
+        };
+        if w.len() < need {
+            return Err(Error::Length {
+                what: "decay_accumulate weights",
+                expected: need,
+                found: w.len(),
+            });
+        }
+        if let Some(idx) = at
+            && let Some(&bad) = idx.iter().find(|&&j| j as usize >= avg.len())
+        {
+            return Err(Error::Index {
+                what: "decay_accumulate index",
+                index: bad as usize,
+                len: avg.len(),
+            });
+        }
+        dispatch!(self.isa, s => decay_simd(s, avg, at, a, w, stride, c));
+        Ok(())
+    }
+}
+
+/// `Σ_i c[i] * w[i * stride + k..][..LANES]` plus `init`, as fused multiply-adds.
+#[inline(always)]
+fn weighted_rows<S: Simd>(
+    s: S,
+    init: S::f32s,
+    w: &[f32],
+    stride: usize,
+    c: &[f32],
+    k: usize,
+) -> S::f32s {
+    c.iter().enumerate().fold(init, |x, (i, &ci)| {
+        s.mul_add_f32s(s.splat_f32s(ci), load(s, &w[i * stride + k..]), x)
+    })
+}
+
+#[inline(always)]
+fn decay_simd<S: Simd>(
+    s: S,
+    avg: &mut [f32],
+    at: Option<&[u32]>,
+    a: f32,
+    w: &[f32],
+    stride: usize,
+    c: &[f32],
+) {
+    let lanes = S::F32_LANES;
+    let av = s.splat_f32s(a);
+    let scalar = |k: usize, x: f32| {
+        c.iter()
+            .enumerate()
+            .fold(a * x, |x, (i, &ci)| ci.mul_add(w[i * stride + k], x))
+    };
+    match at {
+        None => {
+            let (head, tail) = S::as_mut_simd_f32s(avg);
+            for (k, m) in head.iter_mut().enumerate() {
+                *m = weighted_rows(s, s.mul_f32s(av, *m), w, stride, c, k * lanes);
+            }
+            let k0 = head.len() * lanes;
+            for (k, m) in tail.iter_mut().enumerate() {
+                *m = scalar(k0 + k, *m);
+            }
+        }
+        Some(idx) => {
+            let mut sums = [0.0f32; 16];
+            let mut chunks = idx.chunks_exact(lanes);
+            let mut k0 = 0;
+            for js in &mut chunks {
+                let v = weighted_rows(s, s.splat_f32s(0.0), w, stride, c, k0);
+                store(s, &mut sums, v);
+                for (&j, &x) in js.iter().zip(&sums) {
+                    let m = &mut avg[j as usize];
+                    *m = a.mul_add(*m, x);
+                }
+                k0 += lanes;
+            }
+            for (k, &j) in chunks.remainder().iter().enumerate() {
+                let m = &mut avg[j as usize];
+                *m = scalar(k0 + k, *m);
+            }
+        }
+    }
 }
 
 #[inline(always)]
@@ -655,6 +787,9 @@ fn bounds_simd<S: Kern, T: SimdElem>(
     }
 }
 
+/// How many blocks ahead [`bounds_heads`] prefetches.
+const PREFETCH_BLOCKS: usize = 4;
+
 /// [`bounds_simd`] for heads `h0..h0 + H` (`q` starts at head `h0`): each
 /// block's bounds are loaded and widened once for the `H` heads.
 #[inline(always)]
@@ -668,18 +803,36 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     out: &mut [f32],
 ) {
     let lanes = S::F32_LANES;
-    let full = d - d % lanes;
+    let nv = d / lanes;
+    let full = nv * lanes;
+    // Whole vectors of each head's query, all of length `nv`: with the
+    // loop bound known, the indexing below compiles without bounds checks
+    // (with them, this loop was bound by its scalar instructions).
+    let qv: [&[S::f32s]; H] =
+        core::array::from_fn(|h| &S::as_simd_f32s(&q[h * d..(h + 1) * d]).0[..nv]);
+    let bytes = 2 * d * core::mem::size_of::<T>();
     for (b, blk) in bounds.chunks_exact(2 * d).enumerate() {
+        // The stream is read once per step and is cold: fetch a few blocks
+        // ahead (no hardware prefetcher keeps up with this loop alone).
+        let p = blk
+            .as_ptr()
+            .cast::<u8>()
+            .wrapping_add(PREFETCH_BLOCKS * bytes);
+        for off in (0..bytes).step_by(64) {
+            s.prefetch(p.wrapping_add(off));
+        }
         let (lo, hi) = blk.split_at(d);
         let mut acc = [s.splat_f32s(0.0); 4];
-        let mut c = 0;
-        while c < full {
-            let (l, u) = (T::load(s, &lo[c..]), T::load(s, &hi[c..]));
-            for (h, a) in acc.iter_mut().enumerate().take(H) {
-                let x = load(s, &q[h * d + c..]);
+        for (i, (l, u)) in lo[..full]
+            .chunks_exact(lanes)
+            .zip(hi[..full].chunks_exact(lanes))
+            .enumerate()
+        {
+            let (l, u) = (T::load(s, l), T::load(s, u));
+            for (a, q) in acc.iter_mut().zip(&qv) {
+                let x = q[i];
                 *a = s.add_f32s(*a, s.max_f32s(s.mul_f32s(x, l), s.mul_f32s(x, u)));
             }
-            c += lanes;
         }
         let sums = s.reduce_sum4(acc);
         for (h, &sum) in sums.iter().enumerate().take(H) {

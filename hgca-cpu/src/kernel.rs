@@ -272,11 +272,14 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     let [mut pf_k, mut pf_v] = pf;
     let per = pf_k.len().div_ceil(n.div_ceil(2));
     let lanes = S::F32_LANES;
-    let full = d - d % lanes;
-    let mut qh: [&[f32]; H] = [&q[..d]; H];
-    for (h, r) in qh.iter_mut().enumerate().skip(1) {
-        *r = &q[h * d..(h + 1) * d];
-    }
+    let nv = d / lanes;
+    let full = nv * lanes;
+    let qh: [&[f32]; H] = core::array::from_fn(|h| &q[h * d..(h + 1) * d]);
+    // Whole vectors of each head's query, all of length `nv`: with every
+    // length known to the loop, its indexing compiles without bounds checks
+    // (with them, the scalar instructions limited the loop).
+    let qv: [&[S::f32s]; H] = qh.map(|x| &S::as_simd_f32s(x).0[..nv]);
+    let sc: &mut [[f32; BLOCK]; H] = (&mut sc[..H]).try_into().unwrap();
     let mut j = 0;
     while j < n {
         let two = j + 1 < n;
@@ -291,16 +294,17 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
         }
         let mut a0 = [s.splat_f32s(0.0); H];
         let mut a1 = [s.splat_f32s(0.0); H];
-        let mut c = 0;
-        while c < full {
-            let x0 = T::load(s, &k0[c..]);
-            let x1 = T::load(s, &k1[c..]);
+        for (i, (c0, c1)) in k0[..full]
+            .chunks_exact(lanes)
+            .zip(k1[..full].chunks_exact(lanes))
+            .enumerate()
+        {
+            let (x0, x1) = (T::load(s, c0), T::load(s, c1));
             for h in 0..H {
-                let qv = load(s, &qh[h][c..]);
+                let qv = qv[h][i];
                 a0[h] = s.mul_add_f32s(x0, qv, a0[h]);
                 a1[h] = s.mul_add_f32s(x1, qv, a1[h]);
             }
-            c += lanes;
         }
         // The 2H horizontal sums, four at a time (padded with zeros).
         let mut sums = [0.0f32; 8];
@@ -385,6 +389,7 @@ fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
     c: usize,
 ) {
     let lanes = S::F32_LANES;
+    let p: &[[f32; BLOCK]; H] = p[..H].try_into().unwrap();
     let mut acc = [[s.splat_f32s(0.0); W]; H];
     for (h, a) in acc.iter_mut().enumerate() {
         for (w, x) in a.iter_mut().enumerate() {

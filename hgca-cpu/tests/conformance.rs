@@ -290,6 +290,59 @@ fn above_case(b: &CpuBackend, len: usize, threshold: f32, seed: u64) -> Result<(
     }
 }
 
+/// The MAW update, contiguous and gathered: every entry is the formula in
+/// f64 up to f32 rounding, entries outside the gathered set keep their
+/// bits, and the weight rows are read at their stride (lengths around the
+/// lanes, 0 to 5 rows).
+fn decay_case(
+    b: &CpuBackend,
+    len: usize,
+    rows: usize,
+    gather: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let n_avg = if gather { len + rng.below(40) } else { len };
+    let stride = len + rng.below(5);
+    let avg0: Vec<f32> = (0..n_avg).map(|_| rng.sym().abs()).collect();
+    let w: Vec<f32> = (0..rows.max(1) * stride).map(|_| rng.sym().abs()).collect();
+    let c: Vec<f32> = (0..rows).map(|_| rng.sym()).collect();
+    let a = rng.sym().abs();
+    // A random distinct subset of 0..n_avg, shuffled.
+    let mut all: Vec<u32> = (0..n_avg as u32).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, rng.below(i + 1));
+    }
+    let idx = &all[..len];
+    let mut got = avg0.clone();
+    b.decay_accumulate(&mut got, gather.then_some(idx), a, &w, stride, &c)
+        .map_err(|e| e.to_string())?;
+    let mut want: Vec<f64> = avg0.iter().map(|&x| f64::from(x)).collect();
+    let mut touched = vec![false; n_avg];
+    for k in 0..len {
+        let j = if gather { idx[k] as usize } else { k };
+        touched[j] = true;
+        want[j] = f64::from(a) * want[j]
+            + (0..rows)
+                .map(|i| f64::from(c[i]) * f64::from(w[i * stride + k]))
+                .sum::<f64>();
+    }
+    for j in 0..n_avg {
+        let ok = if touched[j] {
+            (f64::from(got[j]) - want[j]).abs() <= 1e-6 * (1.0 + rows as f64)
+        } else {
+            got[j].to_bits() == avg0[j].to_bits()
+        };
+        if !ok {
+            return Err(format!(
+                "len {len} rows {rows} gather {gather}: [{j}] {} vs {}",
+                got[j], want[j]
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Quest block bounds kept in the KV dtype: each bound is at least the
 /// score of every key of its block, and it is the bound formula (computed
 /// in f64) up to f32 rounding.
@@ -457,6 +510,14 @@ macro_rules! isa_suite {
                 }
 
                 #[test]
+                fn decay_accumulate_matches_formula(len in 0usize..100, rows in 0usize..6, gather in any::<bool>(), seed in any::<u64>()) {
+                    if let Some(b) = backend($kind, Par::Seq) {
+                        let r = decay_case(&b, len, rows, gather, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
                 fn block_bounds_bound_every_key(
                     heads in 1usize..10,
                     d in 1usize..140,
@@ -579,6 +640,56 @@ fn neon_path_is_taken() {
         "NEON path taken; f16 widening with fcvtl: {}",
         hgca_cpu::isa::neon_has_fp16()
     );
+}
+
+#[test]
+fn bad_decay_input_is_a_typed_error_and_writes_nothing() {
+    let b = CpuBackend::new();
+    let mut avg = vec![1.0f32; 8];
+    let w = vec![0.5f32; 16];
+    let e = b
+        .decay_accumulate(&mut avg, Some(&[1, 8]), 0.5, &w, 2, &[1.0])
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Index {
+                index: 8,
+                len: 8,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Two rows of 8 at stride 8 need 16 weights; at stride 9, 17.
+    assert!(
+        b.decay_accumulate(&mut avg, None, 0.5, &w, 8, &[1.0, 1.0])
+            .is_ok()
+    );
+    let e = b
+        .decay_accumulate(&mut avg, None, 0.5, &w, 9, &[1.0, 1.0])
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Length {
+                expected: 17,
+                found: 16,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Rows that would overlap (stride below the row length).
+    let e = b
+        .decay_accumulate(&mut avg, None, 0.5, &w, 4, &[1.0, 1.0])
+        .unwrap_err();
+    assert!(matches!(e, Error::Length { .. }), "{e}");
+    let e = b
+        .decay_accumulate(&mut avg, None, 0.5, &w, usize::MAX, &[1.0, 1.0])
+        .unwrap_err();
+    assert!(matches!(e, Error::Length { .. }), "{e}");
+    assert_eq!(avg, [1.5; 8], "only the one good call wrote");
 }
 
 #[test]

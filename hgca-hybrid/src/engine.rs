@@ -208,6 +208,33 @@ pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
     evict_v: Vec<T>,
 }
 
+/// The first error of work spread over threads.
+#[derive(Default)]
+struct ErrSlot(std::sync::Mutex<Option<Error>>);
+
+impl ErrSlot {
+    /// Keeps `r`'s error if it is the first; true when `r` is `Ok`.
+    fn keep(&self, r: Result<()>) -> bool {
+        match r {
+            Ok(()) => true,
+            Err(e) => {
+                self.0
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+                false
+            }
+        }
+    }
+
+    fn into_result(self) -> Result<()> {
+        match self.0.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Scratch of one KV head's selection: its indices, block bounds, ranking.
 #[derive(Debug, Default, Clone)]
 struct HeadScratch {
@@ -412,7 +439,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         // The KV heads select independently: on the CPU backend's threads
         // (a serial scan of every entry's MAW was most of the CPU side's
         // time at 128k).
-        let errors = std::sync::Mutex::new(None);
+        let errors = ErrSlot::default();
         cpu.for_chunks(&mut heads, 1, |g, h| {
             let h = &mut h[0];
             h.idx.clear();
@@ -423,10 +450,13 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                 let nb = n.div_ceil(bt);
                 let qg = &q[g * group * d..(g + 1) * group * d];
                 h.ub.resize(nb * group, 0.0);
-                if let Err(e) =
-                    cpu.block_upper_bounds(qg, group, d, &bounds[g][..nb * 2 * d], &mut h.ub)
-                {
-                    *errors.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                if !errors.keep(cpu.block_upper_bounds(
+                    qg,
+                    group,
+                    d,
+                    &bounds[g][..nb * 2 * d],
+                    &mut h.ub,
+                )) {
                     return;
                 }
                 let ub = &h.ub;
@@ -467,7 +497,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                 j0 = end;
             }
         });
-        if let Some(e) = errors.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        if let Err(e) = errors.into_result() {
             self.heads = heads;
             return Err(e);
         }
@@ -540,13 +570,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         // 4. MAW from weights normalised over the union, mean over each query
         // group. A re-score step observes every entry exactly: like the
         // re-evaluation on append, it resets the MAW to the current weights.
-        if full {
-            let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
-            self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
-            self.alpha = alpha;
-        } else {
-            self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
-        }
+        let a = if full { 0.0 } else { self.alpha.get() };
+        self.update_maw(a, &gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse())?;
         (self.gpu_w, self.cpu_w) = (gpu_w, cpu_w);
         self.steps += 1;
         self.stats = StepStats {
@@ -564,70 +589,62 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         Ok(())
     }
 
+    /// The MAW update with decay `a` (the step's alpha, or 0 to reset to
+    /// the current weights).
     fn update_maw(
         &mut self,
+        a: f32,
         gpu: &Partial,
         gpu_w: &[f32],
         cpu: &Partial,
         cpu_w: &[f32],
         lse: &[f32],
-    ) {
+    ) -> Result<()> {
         let s = self.shape;
         let (group, cap) = (s.group(), self.cfg.window);
-        let a = self.alpha.get();
         let n_win = self.window.len();
-        // Window entries: one fused pass per KV head (group mean of the
-        // union-normalised weights into the MAW), the heads on the CPU
-        // backend's threads. The ring holds logical token j at slot
-        // (win_head + j) % cap.
-        let head = self.win_head;
-        self.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
-            // maw = a maw + (1 - a) sum_i f_i w_i, as vectorisable passes;
-            // f_i rescales head i's weights to the union.
-            let run = |dst: &mut [f32], j0: usize| {
-                dst.iter_mut().for_each(|x| *x *= a);
-                for i in 0..group {
-                    let h = g * group + i;
-                    let c = (1.0 - a) * (gpu.lse()[h] - lse[h]).exp() / group as f32;
-                    let src = &gpu_w[h * n_win + j0..][..dst.len()];
-                    for (x, &w) in dst.iter_mut().zip(src) {
-                        *x += c * w;
-                    }
-                }
-            };
-            let first = (cap - head).min(n_win);
-            let (wrapped, tail) = ring.split_at_mut(head);
-            run(&mut tail[..first], 0);
-            run(&mut wrapped[..n_win - first], first);
-        });
-        // CPU entries that were attended: the group mean of their
-        // union-normalised weights, per KV head on the backend's threads.
-        // `f[h]` rescales head h's CPU-side weights to the union.
+        // The factors c rescaling each head's weights to the union, with
+        // (1 - a) and the group mean folded in: window heads, then CPU heads.
+        let qh = s.q_heads();
         let f = &mut self.to_union;
         f.clear();
-        f.extend(cpu.lse().iter().zip(lse).map(|(&c, &u)| {
-            if c == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (c - u).exp() / group as f32
-            }
-        }));
-        let (sel, f) = (&self.sel, &*f);
-        self.cpu.for_chunks(&mut self.maw, 1, |g, maw| {
-            let idx = sel.head(g);
-            let len = idx.len();
-            let w = &cpu_w[group * sel.offset(g)..][..group * len];
-            let f = &f[g * group..(g + 1) * group];
-            for (k, &j) in idx.iter().enumerate() {
-                let mean: f32 = f
-                    .iter()
-                    .enumerate()
-                    .map(|(i, fi)| w[i * len + k] * fi)
-                    .sum();
-                let m = &mut maw[0][j as usize];
-                *m = a * *m + (1.0 - a) * mean;
-            }
+        for side_lse in [gpu.lse(), cpu.lse()] {
+            f.extend(side_lse.iter().zip(lse).map(|(&c, &u)| {
+                if c == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (1.0 - a) * (c - u).exp() / group as f32
+                }
+            }));
+        }
+        let (f, cpu_b, errors) = (&*f, &self.cpu, ErrSlot::default());
+        // Window entries: one pass per KV head, on the backend's threads.
+        // The ring holds logical token j at slot (win_head + j) % cap.
+        let head = self.win_head;
+        self.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
+            let c = &f[g * group..(g + 1) * group];
+            let w = &gpu_w[g * group * n_win..(g + 1) * group * n_win];
+            let first = (cap - head).min(n_win);
+            let (wrapped, tail) = ring.split_at_mut(head);
+            errors.keep(cpu_b.decay_accumulate(&mut tail[..first], None, a, w, n_win, c));
+            errors.keep(cpu_b.decay_accumulate(
+                &mut wrapped[..n_win - first],
+                None,
+                a,
+                &w[first..],
+                n_win,
+                c,
+            ));
         });
+        // CPU entries that were attended (their weights are gathered).
+        let sel = &self.sel;
+        self.cpu.for_chunks(&mut self.maw, 1, |g, maw| {
+            let c = &f[qh + g * group..qh + (g + 1) * group];
+            let idx = sel.head(g);
+            let w = &cpu_w[group * sel.offset(g)..][..group * idx.len()];
+            errors.keep(cpu_b.decay_accumulate(&mut maw[0], Some(idx), a, w, idx.len(), c));
+        });
+        errors.into_result()
     }
 
     /// Re-evaluates the MAW of every entry (window and CPU) from the exact
@@ -649,10 +666,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         self.last_lse.copy_from_slice(merged.lse());
         self.sel = Selection::all(s.kv_heads(), self.store.tokens());
         // alpha = 0 for this refresh: the MAW becomes the exact current weight.
-        let alpha = std::mem::replace(&mut self.alpha, Alpha::new(0.0)?);
-        self.update_maw(&gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse());
-        self.alpha = alpha;
-        Ok(())
+        self.update_maw(0.0, &gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse())
     }
 
     /// Appends `n` tokens (token-major K and V) whose attention outputs are

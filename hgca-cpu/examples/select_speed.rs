@@ -1,0 +1,74 @@
+//! Developer tool: time of the selection helpers of a hybrid decode step on
+//! one KV head of the 128k demo (1537 blocks of 64 keys, a GQA group of 4,
+//! d = 128, f16 bounds; 98k MAW entries), data hot in cache, one thread.
+//!
+//! `cargo run --release -p hgca-cpu --example select_speed [isa]`
+
+use std::time::{Duration, Instant};
+
+use hgca_cpu::{CpuBackend, IsaKind, Par};
+use hgca_kernels::f16;
+
+fn per_call(reps: u32, mut f: impl FnMut()) -> Duration {
+    f();
+    let t = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    t.elapsed() / reps
+}
+
+fn main() -> Result<(), hgca_kernels::Error> {
+    let kind = match std::env::args().nth(1).as_deref() {
+        Some("v3") => IsaKind::V3,
+        Some("scalar") => IsaKind::Scalar,
+        _ => hgca_cpu::Isa::detect().kind(),
+    };
+    let cpu = CpuBackend::new().with_isa(kind)?.with_par(Par::Seq)?;
+    let (d, blocks, group, entries) = (128, 1537, 4, 98_368);
+    let bounds: Vec<f16> = (0..blocks * 2 * d)
+        .map(|i| f16::from_f32(((i * 7919) % 1000) as f32 / 500.0 - 1.0))
+        .collect();
+    let q: Vec<f32> = (0..group * d)
+        .map(|i| ((i * 31) % 100) as f32 / 50.0 - 1.0)
+        .collect();
+    let mut ub = vec![0f32; blocks * group];
+    for _ in 0..3 {
+        let t = per_call(300, || {
+            cpu.block_upper_bounds(&q, group, d, &bounds, &mut ub)
+                .expect("lengths fit");
+        });
+        println!(
+            "{kind:?} block_upper_bounds: {t:?} per head, {:.1} ns per block",
+            t.as_nanos() as f64 / blocks as f64
+        );
+    }
+    let maw: Vec<f32> = (0..entries).map(|i| ((i * 7919) % 1000) as f32).collect();
+    let mut idx = Vec::with_capacity(entries);
+    let t = per_call(300, || {
+        idx.clear();
+        cpu.indices_above(&maw, 900.0, 0, &mut idx);
+    });
+    println!(
+        "{kind:?} indices_above: {t:?} per head ({} of {entries} pass)",
+        idx.len()
+    );
+    let mut avg = vec![0.5f32; entries];
+    let w: Vec<f32> = (0..group * entries).map(|i| (i % 7) as f32 / 7.0).collect();
+    let c = [0.1f32; 4];
+    let t = per_call(300, || {
+        cpu.decay_accumulate(&mut avg, None, 0.9, &w, entries, &c)
+            .expect("lengths fit");
+    });
+    println!("{kind:?} decay_accumulate, {entries} contiguous: {t:?} per head");
+    let sel: Vec<u32> = (0..entries as u32).step_by(10).collect();
+    let t = per_call(300, || {
+        cpu.decay_accumulate(&mut avg, Some(&sel), 0.9, &w, sel.len(), &c)
+            .expect("lengths fit");
+    });
+    println!(
+        "{kind:?} decay_accumulate, {} gathered: {t:?} per head",
+        sel.len()
+    );
+    Ok(())
+}
