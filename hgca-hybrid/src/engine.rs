@@ -221,17 +221,18 @@ struct HeadMaw {
 
 impl HeadMaw {
     /// Recomputes the maxima of the blocks of `tokens`, given in ascending
-    /// order (a block is recomputed once per run of its tokens).
+    /// order (a block is recomputed once per run of its tokens, with one
+    /// division per block, not per token).
     fn refresh(&mut self, block: usize, tokens: impl IntoIterator<Item = usize>) {
         let len = self.values.len();
         self.block_max
             .resize(len.div_ceil(block), f32::NEG_INFINITY);
-        let mut last = usize::MAX;
-        for b in tokens.into_iter().map(|j| j / block) {
-            if b != last {
-                self.block_max[b] =
-                    max_ignoring_nan(&self.values[b * block..((b + 1) * block).min(len)]);
-                last = b;
+        let mut done = 0..0;
+        for j in tokens {
+            if !done.contains(&j) {
+                let b = j / block;
+                done = b * block..((b + 1) * block).min(len);
+                self.block_max[b] = max_ignoring_nan(&self.values[done.clone()]);
             }
         }
     }
