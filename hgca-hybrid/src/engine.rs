@@ -707,8 +707,10 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             let c = &f[qh + g * group..qh + (g + 1) * group];
             let idx = sel.head(g);
             let w = &cpu_w[group * sel.offset(g)..][..group * idx.len()];
-            errors.keep(cpu_b.decay_accumulate(&mut maw.values, Some(idx), a, w, idx.len(), c));
-            maw.refresh(block, idx.iter().map(|&j| j as usize));
+            // Refreshed only when the update took (its indices are then in range).
+            if errors.keep(cpu_b.decay_accumulate(&mut maw.values, Some(idx), a, w, idx.len(), c)) {
+                maw.refresh(block, idx.iter().map(|&j| j as usize));
+            }
         });
         errors.into_result()
     }
