@@ -13,6 +13,7 @@ use pulp::Simd;
 use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load, store};
 use crate::kernel::{
     ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
+    prefetch_row,
 };
 
 /// Parallelism of a CPU call (faer's `Par`).
@@ -723,6 +724,7 @@ fn decay_simd<S: Simd>(
             }
         }
         Some(idx) => {
+            // One vector's sums (16: the widest ISA's lanes).
             let mut sums = [0.0f32; 16];
             let mut chunks = idx.chunks_exact(lanes);
             let mut k0 = 0;
@@ -810,16 +812,12 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     // (with them, this loop was bound by its scalar instructions).
     let qv: [&[S::f32s]; H] =
         core::array::from_fn(|h| &S::as_simd_f32s(&q[h * d..(h + 1) * d]).0[..nv]);
-    let bytes = 2 * d * core::mem::size_of::<T>();
     for (b, blk) in bounds.chunks_exact(2 * d).enumerate() {
         // The stream is read once per step and is cold: fetch a few blocks
         // ahead (no hardware prefetcher keeps up with this loop alone).
-        let p = blk
-            .as_ptr()
-            .cast::<u8>()
-            .wrapping_add(PREFETCH_BLOCKS * bytes);
-        for off in (0..bytes).step_by(64) {
-            s.prefetch(p.wrapping_add(off));
+        let ahead = (b + PREFETCH_BLOCKS) * 2 * d;
+        if let Some(row) = bounds.get(ahead..ahead + 2 * d) {
+            prefetch_row(s, row);
         }
         let (lo, hi) = blk.split_at(d);
         let mut acc = [s.splat_f32s(0.0); 4];

@@ -114,8 +114,9 @@ pub(crate) struct ScoreOut<'a> {
     pub stride: usize,
 }
 
+/// Hints the cache to fetch every line of `row`.
 #[inline(always)]
-fn prefetch_row<S: Kern, T>(s: S, row: &[T]) {
+pub(crate) fn prefetch_row<S: Kern, T>(s: S, row: &[T]) {
     let bytes = core::mem::size_of_val(row);
     let p = row.as_ptr().cast::<u8>();
     let mut off = 0;
