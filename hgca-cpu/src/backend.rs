@@ -358,11 +358,15 @@ impl CpuBackend {
             Some(&mut lists),
         );
         chosen.clear();
-        // Lists come per task in (g, sub, chunk) order; subgroup 0 holds each head's picks.
-        let plan_chunks = lists.len() / shape.kv_heads().max(1);
+        // Lists come per task in (g, sub, chunk) order. A group larger than
+        // `MAX_HEADS` is split into subgroups that each scan the same
+        // entries: the picks of subgroup 0 are the head's, the others'
+        // repeat them.
+        let subs = shape.group().div_ceil(MAX_HEADS);
+        let chunks = lists.len() / (shape.kv_heads() * subs).max(1);
         for g in 0..shape.kv_heads() {
             chosen.begin_head();
-            for l in &lists[g * plan_chunks..(g + 1) * plan_chunks] {
+            for l in &lists[g * subs * chunks..][..chunks] {
                 for &j in l {
                     chosen.push_index(j);
                 }

@@ -199,7 +199,8 @@ impl<T: KvElem> Problem<T> {
     }
 }
 
-/// Head geometries that hit the edges: GQA groups 1..8, head dims around
+/// Head geometries that hit the edges: GQA groups 1..8, 12 and 16 (larger
+/// than one kernel call's heads on the CPU, so groups are split), head dims around
 /// SIMD lane counts (1, 7, 8, 9, 15, 16, 17, 31..33, 64, 80, 96, 127..129, 256, 257).
 pub fn arb_shape() -> impl Strategy<Value = AttnShape> {
     let dims = prop::sample::select(vec![
@@ -207,7 +208,7 @@ pub fn arb_shape() -> impl Strategy<Value = AttnShape> {
     ]);
     (
         1usize..=4,
-        prop::sample::select(vec![1usize, 2, 3, 4, 8]),
+        prop::sample::select(vec![1usize, 2, 3, 4, 8, 12, 16]),
         dims,
     )
         .prop_map(|(kv, g, d)| AttnShape::new(kv * g, kv, d).expect("valid by construction"))
@@ -233,4 +234,6 @@ pub const EDGE_SHAPES: &[(usize, usize, usize, usize)] = &[
     (6, 3, 80, 7),
     (12, 4, 96, 63),
     (32, 32, 128, 31),
+    (24, 2, 33, 40),
+    (32, 2, 64, 70),
 ];
