@@ -3,6 +3,7 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::time::{Duration, Instant};
 
 use hgca_kernels::{
     DType, DenseAttention, Error, KvElem, KvWindow, MergeBackend, PartialLayout, PartialMut,
@@ -10,6 +11,10 @@ use hgca_kernels::{
 };
 
 use super::{MAX_HEAD_DIM, WgpuAdapterInfo, WgpuOptions};
+
+/// How long a read-back waits for its map callbacks once the GPU work it
+/// reads has completed (they need only another poll; this bounds a bug).
+const MAP_DEADLINE: Duration = Duration::from_secs(60);
 
 const BACKEND: &str = "wgpu";
 /// Invocations per workgroup of every kernel (the `64u` in the shaders).
@@ -383,6 +388,14 @@ impl WgpuBackend {
         self.await_map(index, &rx, bufs.len())
     }
 
+    /// Waits for submission `index`, then for `count` map callbacks on `rx`.
+    ///
+    /// With several threads on one device, the callbacks run in whichever
+    /// thread's poll finds them ready: ours may return with nothing to do
+    /// while another thread is still about to call them. So this waits on
+    /// the channel itself (polling in between), up to [`MAP_DEADLINE`],
+    /// instead of counting polls (64 quick polls lost that race in the
+    /// test suite's parallel threads).
     fn await_map(
         &self,
         index: wgpu::SubmissionIndex,
@@ -395,8 +408,9 @@ impl WgpuBackend {
                 timeout: None,
             })
             .map_err(|e| backend_err(format!("poll: {e}")))?;
+        let deadline = Instant::now() + MAP_DEADLINE;
         let mut got = 0;
-        for _ in 0..64 {
+        loop {
             while let Ok(r) = rx.try_recv() {
                 r.map_err(|e| backend_err(format!("mapping the staging buffer: {e}")))?;
                 got += 1;
@@ -405,11 +419,27 @@ impl WgpuBackend {
                 return self.take_error();
             }
             self.take_error()?;
+            if Instant::now() >= deadline {
+                return Err(backend_err(format!(
+                    "the staging buffer was not mapped within {MAP_DEADLINE:?} of its submission completing"
+                )));
+            }
+            match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(r) => {
+                    r.map_err(|e| backend_err(format!("mapping the staging buffer: {e}")))?;
+                    got += 1;
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(backend_err(
+                        "a map callback was dropped without being called",
+                    ));
+                }
+            }
             self.device
-                .poll(wgpu::PollType::wait_indefinitely())
+                .poll(wgpu::PollType::Poll)
                 .map_err(|e| backend_err(format!("poll: {e}")))?;
         }
-        Err(backend_err("the staging buffer was never mapped"))
     }
 
     /// Tokens per split and the number of splits for `len` tokens and `rows` query rows.
