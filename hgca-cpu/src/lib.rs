@@ -7,7 +7,9 @@
 //! gives too few tasks, over token chunks merged exactly by LSE.
 //!
 //! GQA: each selected K and V row is read from memory once per query group
-//! and used by every head of the group. KV may be f32, f16 or bf16; it is
+//! and used by every head of the group (a group of more than 8 heads is
+//! served in parts of at most 8, each reading the rows once: the kernel
+//! call holds fixed-size state for at most 8 heads). KV may be f32, f16 or bf16; it is
 //! widened on load and all accumulation is f32.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
