@@ -415,6 +415,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         );
         self.evict_k.resize(hk * n * d, T::default());
         self.evict_v.resize(hk * n * d, T::default());
+        // The store's memory first: once the rows have left the window,
+        // their push must not fail (they would be lost).
+        self.store.reserve(n)?;
         self.dense
             .evict_oldest(&mut self.window, n, &mut self.evict_k, &mut self.evict_v)?;
         self.store

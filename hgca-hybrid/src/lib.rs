@@ -27,8 +27,13 @@ pub trait SequenceAttention {
     /// `n = 1` is a decode step, larger `n` a prompt chunk.
     ///
     /// # Errors
-    /// Typed errors for lengths that do not fit the layer's shape; the cache
-    /// is unchanged when an error is returned.
+    /// Typed errors for lengths that do not fit the layer's shape, checked
+    /// before anything changes: the cache is then as it was. A backend that
+    /// fails later in the step (memory refused, a device lost) returns its
+    /// error with this call's tokens possibly appended and `out` not
+    /// written; tokens held before the call are never lost (an eviction
+    /// reserves the store's memory before rows leave the window, and a
+    /// window gives up rows only once they are read back).
     fn forward(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, out: &mut [f32])
     -> Result<()>;
 

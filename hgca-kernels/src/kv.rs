@@ -228,22 +228,7 @@ impl<T: KvElem> KvStore<T> {
         let d = self.head_dim;
         // Map every chunk the new tokens need first, so a refused mapping
         // leaves the store as it was.
-        if let Some(last) = (self.tokens + n).checked_sub(1) {
-            let need = self.locate(0, last).0 + 1;
-            while self.k.len() < need {
-                let len =
-                    self.block_len()
-                        .checked_mul(1 << self.k.len())
-                        .ok_or(Error::Capacity {
-                            what: "kv store elements",
-                            capacity: usize::MAX,
-                            requested: self.tokens + n,
-                        })?;
-                let (kc, vc) = (HostBuf::zeroed(len)?, HostBuf::zeroed(len)?);
-                self.k.push(kc);
-                self.v.push(vc);
-            }
-        }
+        self.reserve(n)?;
         for i in 0..n {
             for h in 0..hk {
                 let (c, t) = self.locate(h, self.tokens);
@@ -253,6 +238,55 @@ impl<T: KvElem> KvStore<T> {
             }
             self.tokens += 1;
         }
+        Ok(())
+    }
+    /// Maps the memory `n` more tokens need, so that pushing up to `n`
+    /// tokens next cannot fail for want of it. A caller that must not lose
+    /// rows it moves into the store (the hybrid engine evicting from its
+    /// window) reserves before it takes them out.
+    ///
+    /// ```
+    /// use hgca_kernels::{KvSource, KvStore};
+    /// let mut store = KvStore::<f32>::new(2, 4, 8)?;
+    /// store.reserve(20)?;
+    /// store.push_token_major(20, &[0.5; 20 * 2 * 4], &[1.0; 20 * 2 * 4])?;
+    /// assert_eq!(store.tokens(), 20);
+    /// assert!(store.reserve(usize::MAX).is_err());
+    /// assert_eq!(store.tokens(), 20);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Capacity`] when the count overflows the address space,
+    /// [`Error::OutOfMemory`] when the host refuses the memory; nothing changes then.
+    pub fn reserve(&mut self, n: usize) -> Result<()> {
+        let too_many = || Error::Capacity {
+            what: "kv store tokens",
+            capacity: usize::MAX,
+            requested: self.tokens.saturating_add(n),
+        };
+        let Some(last) = self
+            .tokens
+            .checked_add(n)
+            .ok_or_else(too_many)?
+            .checked_sub(1)
+        else {
+            return Ok(());
+        };
+        let need = self.locate(0, last).0 + 1;
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for c in self.k.len()..need {
+            let len = u32::try_from(c)
+                .ok()
+                .and_then(|c| 1usize.checked_shl(c))
+                .and_then(|blocks| self.block_len().checked_mul(blocks))
+                .ok_or_else(too_many)?;
+            k.push(HostBuf::zeroed(len)?);
+            v.push(HostBuf::zeroed(len)?);
+        }
+        self.k.append(&mut k);
+        self.v.append(&mut v);
         Ok(())
     }
     /// Chunk and element offset of row `(h, j)`.
