@@ -65,19 +65,35 @@ fn parse() -> std::result::Result<Args, String> {
     }
     while let Some(flag) = it.next() {
         let mut val = || it.next().ok_or(format!("{flag} needs a value"));
-        let num = |s: String| s.parse::<f64>().map_err(|e| format!("{flag}: {e}"));
+        let num = |s: String| s.parse::<f64>().map_err(|e| format!("{flag} {s}: {e}"));
+        // Counts are whole and at least 1 (a zero block or context has no
+        // meaning here, and `as usize` would turn -5 or 1e30 into nonsense).
+        let count = |s: String| match s.parse::<usize>() {
+            Ok(0) => Err(format!("{flag} {s}: at least 1")),
+            Ok(n) => Ok(n),
+            Err(e) => Err(format!("{flag} {s}: a whole number ({e})")),
+        };
+        let within = |x: f64, lo: f64, hi: f64| {
+            if x > lo && x <= hi {
+                Ok(x)
+            } else if hi == f64::MAX {
+                Err(format!("{flag} {x}: expected more than {lo}"))
+            } else {
+                Err(format!("{flag} {x}: expected more than {lo}, at most {hi}"))
+            }
+        };
         match flag.as_str() {
-            "--context" => a.context = num(val()?)? as usize,
-            "--window-ratio" => a.window_ratio = num(val()?)?,
+            "--context" => a.context = count(val()?)?,
+            "--window-ratio" => a.window_ratio = within(num(val()?)?, 0.0, 1.0)?,
             "--block" => {
-                a.block = num(val()?)? as usize;
+                a.block = count(val()?)?;
                 a.block_set = true;
             }
-            "--batch" => a.batch = num(val()?)? as usize,
-            "--gpu-gib" => a.gpu_gib = num(val()?)?,
-            "--layers" => a.layers = num(val()?)? as usize,
+            "--batch" => a.batch = count(val()?)?,
+            "--gpu-gib" => a.gpu_gib = within(num(val()?)?, 0.0, f64::MAX)?,
+            "--layers" => a.layers = count(val()?)?,
             "--beta" => a.beta = num(val()?)? as f32,
-            "--steps" => a.steps = num(val()?)? as usize,
+            "--steps" => a.steps = count(val()?)?,
             "--backend" => a.backend = val()?,
             "--out" => a.out = val()?,
             "--json" => a.json = true,
@@ -446,6 +462,8 @@ fn sweep(a: &Args) -> Result<()> {
         "ratio", "beta", "selected", "recall", "rel err"
     );
     let mut series: Vec<(f64, Vec<(f64, f64)>)> = Vec::new();
+    // The table again as CSV beside the plot, for a spreadsheet or a script.
+    let mut csv = String::from("window_ratio,beta,selected_pct,recall_pct,rel_err\n");
     for &r in &ratios {
         let mut pts = Vec::new();
         for &b in &betas {
@@ -467,15 +485,19 @@ fn sweep(a: &Args) -> Result<()> {
                 100.0 * sel,
                 100.0 * rec
             );
+            csv += &format!("{r},{b},{},{},{err:e}\n", 100.0 * sel, 100.0 * rec);
             pts.push((100.0 * sel, 100.0 * rec));
         }
         series.push((r, pts));
     }
-    let root = SVGBackend::new(&a.out, (800, 500)).into_drawing_area();
     let err = |e: String| Error::Backend {
         backend: "plotters",
         message: e,
     };
+    let csv_path = std::path::Path::new(&a.out).with_extension("csv");
+    std::fs::write(&csv_path, csv)
+        .map_err(|e| err(format!("writing {}: {e}", csv_path.display())))?;
+    let root = SVGBackend::new(&a.out, (800, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(e.to_string()))?;
     let ymin = series
         .iter()
@@ -522,8 +544,9 @@ fn sweep(a: &Args) -> Result<()> {
         .map_err(|e| err(e.to_string()))?;
     root.present().map_err(|e| err(e.to_string()))?;
     println!(
-        "plot written to {} (points: beta {betas:?}, left to right as beta falls)",
-        a.out
+        "plot written to {} (points: beta {betas:?}, left to right as beta falls), table to {}",
+        a.out,
+        csv_path.display()
     );
     Ok(())
 }
