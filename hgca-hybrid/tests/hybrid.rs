@@ -238,3 +238,101 @@ fn recovery_keeps_recall_under_attention_shift() {
         "the frozen rule should lose the shifted mass, recall {r_paper}"
     );
 }
+
+/// The MAW update of a decode step, checked entry by entry against the
+/// formula with f64 reference weights: for each KV head, every attended
+/// token (the window after the step and the selected CPU entries) moves to
+/// `alpha * before + (1 - alpha) * mean over the group of its weight`, the
+/// weight normalised over the union of both sides; every other CPU entry
+/// keeps its value exactly. The new token starts from `1 / (window + 1)`.
+#[test]
+fn maw_update_follows_the_formula() {
+    let (kvh, group, d) = (2usize, 3usize, 8usize);
+    let shape = AttnShape::new(kvh * group, kvh, d).unwrap();
+    let alpha = 0.9f32;
+    for recovery in [Recovery::Frozen, Recovery::BlockBounds { top: 1 }] {
+        let cfg = HybridConfig {
+            window: 16,
+            block: 4,
+            sinks: 1,
+            beta: 0.5,
+            alpha,
+            recovery,
+            dtype: DType::F32,
+            ..HybridConfig::default()
+        };
+        let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()).unwrap();
+        let mut rng = Rng::new(11);
+        // Every token's K, per KV head `[tokens, d]`, for the reference.
+        let mut keys: Vec<Vec<f32>> = vec![Vec::new(); kvh];
+        let mut feed = |hy: &mut HybridAttention<_, _, f32>, keys: &mut Vec<Vec<f32>>, n: usize| {
+            let q = tokens(&mut rng, n, shape.q_len(), 2.0);
+            let k = tokens(&mut rng, n, shape.kv_token_len(), 2.0);
+            let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+            for i in 0..n {
+                for (g, kg) in keys.iter_mut().enumerate() {
+                    kg.extend_from_slice(&k[(i * kvh + g) * d..(i * kvh + g + 1) * d]);
+                }
+            }
+            let mut out = vec![0.0; n * shape.q_len()];
+            hy.forward(&q, &k, &v, n, &mut out).unwrap();
+            q
+        };
+        feed(&mut hy, &mut keys, 40);
+        let mut cpu_seen = 0;
+        for step in 0..30 {
+            let before = hy.maw_snapshot();
+            let (n0, win0) = (hy.len(), hy.len() - hy.cpu_tokens());
+            let q = feed(&mut hy, &mut keys, 1);
+            let after = hy.maw_snapshot();
+            let n_cpu = hy.cpu_tokens();
+            // The window evicted a block first if it was full.
+            let win_at_push = if win0 == cfg.window {
+                win0 - cfg.block
+            } else {
+                win0
+            };
+            let init = 1.0 / (win_at_push + 1) as f32;
+            for g in 0..kvh {
+                let sel: Vec<usize> = hy
+                    .last_selection()
+                    .head(g)
+                    .iter()
+                    .map(|&j| j as usize)
+                    .collect();
+                cpu_seen += sel.len();
+                let union: Vec<usize> = sel.iter().copied().chain(n_cpu..n0 + 1).collect();
+                let mut mean = vec![0.0f64; union.len()];
+                for h in 0..group {
+                    let qh = &q[(g * group + h) * d..(g * group + h + 1) * d];
+                    let w = hgca_ref::weights_row(qh, &keys[g], d, shape.scale() as f64, &union);
+                    mean.iter_mut()
+                        .zip(&w)
+                        .for_each(|(m, x)| *m += x / group as f64);
+                }
+                let mut attended = vec![false; n0 + 1];
+                for (&j, &m) in union.iter().zip(&mean) {
+                    attended[j] = true;
+                    let old = if j < n0 { before[g][j] } else { init } as f64;
+                    let want = alpha as f64 * old + (1.0 - alpha as f64) * m;
+                    let got = after[g][j] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-6 + 1e-5 * want.abs(),
+                        "{recovery:?} step {step} head {g} token {j}: MAW {got} != {want}"
+                    );
+                }
+                for j in (0..n_cpu).filter(|&j| !attended[j]) {
+                    assert_eq!(
+                        after[g][j].to_bits(),
+                        before[g][j].to_bits(),
+                        "{recovery:?} step {step} head {g}: unattended CPU entry {j} changed"
+                    );
+                }
+            }
+        }
+        assert!(
+            cpu_seen > 0,
+            "{recovery:?}: no CPU entry was ever selected, the CPU half of the update went untested"
+        );
+    }
+}
