@@ -351,7 +351,7 @@ fn hybrid(a: &Args) -> Result<()> {
     let overlap = (1.0 - dense / dense_alone.max(1e-12)).clamp(0.0, 1.0);
     if a.json {
         println!(
-            "{{\"backend\":\"{}\",\"isa\":\"{}\",\"context\":{},\"window\":{},\"block\":{},\"beta\":{},\"steps\":{steps},\"selected_fraction\":{:.5},\"rel_err_mean\":{:.3e},\"rel_err_max\":{:.3e},\"recall_mean\":{:.5},\"recall_min\":{:.5},\"ms_dense\":{dense:.3},\"ms_dense_submit\":{submit:.3},\"ms_sparse\":{sparse:.3},\"ms_select\":{select:.3},\"ms_merge\":{merge:.3},\"ms_step\":{total:.3},\"ms_dense_alone\":{dense_alone:.3},\"ms_overlap_bound\":{bound:.3},\"ms_full_dense_cpu\":{full:.3},\"speedup_vs_full\":{:.2},\"overlap\":{overlap:.3}}}",
+            "{{\"backend\":\"{}\",\"isa\":\"{}\",\"context\":{},\"window\":{},\"block\":{},\"beta\":{},\"steps\":{steps},\"selected_fraction\":{:.5},\"rel_err_mean\":{:.3e},\"rel_err_max\":{:.3e},\"recall_mean\":{:.5},\"recall_min\":{:.5},\"rel_err_worst_head\":{:.3e},\"recall_worst_head\":{:.5},\"reference_rel_diff_max\":{:.3e},\"ms_dense\":{dense:.3},\"ms_dense_submit\":{submit:.3},\"ms_sparse\":{sparse:.3},\"ms_select\":{select:.3},\"ms_merge\":{merge:.3},\"ms_step\":{total:.3},\"ms_dense_alone\":{dense_alone:.3},\"ms_overlap_bound\":{bound:.3},\"ms_full_dense_cpu\":{full:.3},\"speedup_vs_full\":{:.2},\"overlap\":{overlap:.3}}}",
             s.backend,
             hgca_cpu::Isa::detect(),
             a.context,
@@ -363,6 +363,12 @@ fn hybrid(a: &Args) -> Result<()> {
             s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
             s.mean(|x| x.recall),
             s.min_recall(),
+            s.acc.iter().map(|x| x.worst_rel_err).fold(0.0, f64::max),
+            s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min),
+            s.acc
+                .iter()
+                .map(|x| x.reference_rel_diff)
+                .fold(0.0, f64::max),
             full / total
         );
         return Ok(());
@@ -387,6 +393,18 @@ fn hybrid(a: &Args) -> Result<()> {
         s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
         100.0 * s.mean(|x| x.recall),
         100.0 * s.min_recall()
+    );
+    println!(
+        "  worst single query head over all steps: relative error {:.2e}, recall {:.4}%",
+        s.acc.iter().map(|x| x.worst_rel_err).fold(0.0, f64::max),
+        100.0 * s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min)
+    );
+    println!(
+        "  yardstick: full attention by the CPU kernel (f32); against hgca-ref (f64) on head 0 it differs by at most {:.1e} (relative)",
+        s.acc
+            .iter()
+            .map(|x| x.reference_rel_diff)
+            .fold(0.0, f64::max)
     );
     println!(
         "  time per step: {total:.2} ms = dense {dense:.2} (submit {submit:.2}, wait + copy-out {:.2}) + sparse {sparse:.2} (select {select:.2}) + merge/MAW {merge:.2} + other {:.2}",
@@ -415,8 +433,8 @@ fn harness(a: &Args) -> Result<()> {
         a.context, a.window_ratio, a.steps, a.beta
     );
     println!(
-        "{:<8} {:<26} {:>10} {:>12} {:>12} {:>10}",
-        "workload", "rule", "selected", "recall mean", "recall min", "rel err"
+        "{:<8} {:<26} {:>10} {:>12} {:>12} {:>12} {:>10}",
+        "workload", "rule", "selected", "recall mean", "recall min", "worst head", "rel err"
     );
     for shift in [false, true] {
         for rule in [
@@ -436,12 +454,13 @@ fn harness(a: &Args) -> Result<()> {
                 true,
             )?;
             println!(
-                "{:<8} {:<26} {:>9.2}% {:>11.3}% {:>11.3}% {:>10.2e}",
+                "{:<8} {:<26} {:>9.2}% {:>11.3}% {:>11.3}% {:>11.3}% {:>10.2e}",
                 if shift { "shift" } else { "steady" },
                 format!("{:?}", cfg.recovery),
                 100.0 * s.mean(|x| x.selected),
                 100.0 * s.mean(|x| x.recall),
                 100.0 * s.min_recall(),
+                100.0 * s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min),
                 s.mean(|x| x.rel_err)
             );
         }

@@ -301,6 +301,15 @@ impl<T: KvElem> HybridAttention<CpuBackend, CpuBackend, T> {
         let cpu = CpuBackend::new();
         Self::new(shape, cfg, cpu.clone(), cpu)
     }
+
+    /// The CPU in every role on the given backend (its ISA and threads):
+    /// dense, sparse and the layer's own CPU work ([`Self::with_cpu`]).
+    ///
+    /// # Errors
+    /// As [`HybridAttention::new`].
+    pub fn cpu_on(shape: AttnShape, cfg: HybridConfig, cpu: CpuBackend) -> Result<Self> {
+        Ok(Self::new(shape, cfg, cpu.clone(), cpu.clone())?.with_cpu(cpu))
+    }
 }
 
 impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> {
@@ -347,6 +356,35 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             sparse,
             window,
         })
+    }
+
+    /// Sets the CPU backend of the layer's own CPU work: selection (block
+    /// bounds, the MAW scan), the MAW update, and the dense passes over the
+    /// CPU store (prefill, re-scoring, re-evaluation). By default it is
+    /// [`CpuBackend::new`] (the best ISA, rayon's global pool), whatever
+    /// `sparse` was built with; pass the same backend to keep one ISA and
+    /// one pool for everything.
+    ///
+    /// ```
+    /// use hgca_cpu::{CpuBackend, Par};
+    /// use hgca_hybrid::{HybridAttention, HybridConfig};
+    /// use hgca_kernels::{AttnShape, DType};
+    /// let cpu = CpuBackend::new().with_par(Par::Seq)?;
+    /// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+    /// let layer = HybridAttention::<_, _, f32>::new(AttnShape::new(4, 2, 8)?, cfg, cpu.clone(), cpu.clone())?
+    ///     .with_cpu(cpu);
+    /// assert_eq!(layer.cpu_backend().threads(), 1);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    #[must_use]
+    pub fn with_cpu(mut self, cpu: CpuBackend) -> Self {
+        self.cpu = cpu;
+        self
+    }
+
+    /// The CPU backend of the layer's own CPU work (see [`Self::with_cpu`]).
+    pub fn cpu_backend(&self) -> &CpuBackend {
+        &self.cpu
     }
 
     /// Stats of the last `forward`.

@@ -208,6 +208,18 @@ fn recovery_keeps_recall_under_attention_shift() {
         };
         let mut h = Harness::new(layer, Synth::new(shape, spec, 11), 4096, cpu).unwrap();
         let acc: Vec<_> = (0..24).map(|_| h.step().unwrap()).collect();
+        for a in &acc {
+            // The worst head bounds the mean of the heads.
+            assert!(
+                a.worst_recall <= a.recall + 1e-12 && a.worst_rel_err >= a.rel_err - 1e-12,
+                "{a:?}"
+            );
+            // The yardstick is exact far below the errors it measures.
+            assert!(
+                a.reference_rel_diff < 1e-4,
+                "f32 reference vs hgca-ref: {a:?}"
+            );
+        }
         let mean = |f: &dyn Fn(&hgca_hybrid::synthetic::StepAccuracy) -> f64| {
             acc.iter().map(f).sum::<f64>() / acc.len() as f64
         };
