@@ -495,6 +495,9 @@ impl CpuBackend {
                 Spec::Threshold(maw, t) => {
                     let mut sink = Vec::new();
                     let chosen = io.picked.as_deref_mut().unwrap_or(&mut sink);
+                    // Room for every entry of the range up front: the scan
+                    // then never grows the list inside the token loop.
+                    chosen.reserve(b - a);
                     let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
                     attend(s, kv, tk.g, qv, tk.hn, d, toks, o, run, so)
                 }
