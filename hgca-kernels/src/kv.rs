@@ -79,16 +79,21 @@ impl<'a, T: KvElem> KvSlices<'a, T> {
             v,
         })
     }
-    /// Keys of head `h`, `[tokens, d]`.
+    /// Keys of head `h`, `[tokens, d]` (empty for `h >= kv_heads`).
     pub fn k_head(&self, h: usize) -> &'a [T] {
-        let n = self.tokens * self.head_dim;
-        &self.k[h * n..(h + 1) * n]
+        head_of(self.k, h, self.tokens * self.head_dim)
     }
-    /// Values of head `h`, `[tokens, d]`.
+    /// Values of head `h`, `[tokens, d]` (empty for `h >= kv_heads`).
     pub fn v_head(&self, h: usize) -> &'a [T] {
-        let n = self.tokens * self.head_dim;
-        &self.v[h * n..(h + 1) * n]
+        head_of(self.v, h, self.tokens * self.head_dim)
     }
+}
+
+/// Head `h` of a head-major buffer of `n` elements per head; empty past the end.
+fn head_of<T>(buf: &[T], h: usize, n: usize) -> &[T] {
+    h.checked_mul(n)
+        .and_then(|a| buf.get(a..a.checked_add(n)?))
+        .unwrap_or(&[])
 }
 
 impl<T: KvElem> KvSource<T> for KvSlices<'_, T> {
@@ -405,15 +410,22 @@ impl Selection {
     pub fn kv_heads(&self) -> usize {
         self.offsets.len() - 1
     }
-    /// Head `h`'s indices.
+    /// Head `h`'s indices (empty for `h >= kv_heads()`).
     #[inline]
     pub fn head(&self, h: usize) -> &[u32] {
-        &self.indices[self.offsets[h]..self.offsets[h + 1]]
+        match (
+            self.offsets.get(h),
+            h.checked_add(1).and_then(|i| self.offsets.get(i)),
+        ) {
+            (Some(&a), Some(&b)) => &self.indices[a..b],
+            _ => &[],
+        }
     }
-    /// Where head `h`'s list starts in the flat index array.
+    /// Where head `h`'s list starts in the flat index array (the total for
+    /// `h >= kv_heads()`: past the last list).
     #[inline]
     pub fn offset(&self, h: usize) -> usize {
-        self.offsets[h]
+        self.offsets.get(h).copied().unwrap_or(self.indices.len())
     }
     /// Total selected entries over all heads.
     pub fn total(&self) -> usize {

@@ -49,10 +49,13 @@ impl Beta {
     pub fn values(&self) -> &[f32] {
         &self.0
     }
-    /// The paper's threshold `beta_h / n_gpu` for head `h` (`n_gpu = 0` is read as 1).
+    /// The paper's threshold `beta_h / n_gpu` for head `h` (`n_gpu = 0` is
+    /// read as 1); `+inf`, which no MAW passes, for a head past the last.
     #[inline]
     pub fn threshold(&self, h: usize, n_gpu: usize) -> f32 {
-        self.0[h] / n_gpu.max(1) as f32
+        self.0
+            .get(h)
+            .map_or(f32::INFINITY, |b| b / n_gpu.max(1) as f32)
     }
 }
 

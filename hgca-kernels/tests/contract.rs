@@ -159,3 +159,27 @@ proptest! {
         }
     }
 }
+
+/// Accessors given a head past the last answer with an empty list, an empty
+/// slice or a threshold nothing passes, never a panic (the contract: no
+/// panic reachable from the public API).
+#[test]
+fn accessors_past_the_last_head_do_not_panic() {
+    let sel = Selection::from_heads(&[vec![1u32, 4], vec![2]]);
+    assert_eq!(sel.head(1), [2]);
+    assert_eq!(sel.offset(1), 2);
+    for h in [2, 3, usize::MAX] {
+        assert!(sel.head(h).is_empty());
+        assert_eq!(sel.offset(h), sel.total());
+    }
+    let (k, v) = (vec![0.5f32; 2 * 3 * 4], vec![1.0f32; 2 * 3 * 4]);
+    let kv = KvSlices::new(2, 4, 3, &k, &v).unwrap();
+    assert_eq!(kv.k_head(1).len(), 12);
+    for h in [2, usize::MAX / 4, usize::MAX] {
+        assert!(kv.k_head(h).is_empty() && kv.v_head(h).is_empty());
+    }
+    let beta = Beta::new(vec![2.0, 4.0]).unwrap();
+    assert_eq!(beta.threshold(1, 8), 0.5);
+    assert_eq!(beta.threshold(2, 8), f32::INFINITY);
+    assert_eq!(beta.threshold(usize::MAX, 0), f32::INFINITY);
+}
