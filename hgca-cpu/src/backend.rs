@@ -494,10 +494,16 @@ impl CpuBackend {
                 Spec::Range(lo, _) => attend(s, kv, tk.g, qv, tk.hn, d, RangeTokens { start: lo + a, end: lo + b }, o, run, so),
                 Spec::Threshold(maw, t) => {
                     let mut sink = Vec::new();
-                    let chosen = io.picked.as_deref_mut().unwrap_or(&mut sink);
-                    // Room for every entry of the range up front: the scan
-                    // then never grows the list inside the token loop.
-                    chosen.reserve(b - a);
+                    // Subgroup 0 records the picks (the others repeat them),
+                    // with room for every entry of the range up front: the
+                    // scan then never grows the list inside the token loop.
+                    let chosen = match io.picked.as_deref_mut() {
+                        Some(p) if tk.h0 == 0 => {
+                            p.reserve(b - a);
+                            p
+                        }
+                        _ => &mut sink,
+                    };
                     let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
                     attend(s, kv, tk.g, qv, tk.hn, d, toks, o, run, so)
                 }

@@ -83,7 +83,13 @@ fn parse() -> std::result::Result<Args, String> {
             }
         };
         match flag.as_str() {
-            "--context" => a.context = count(val()?)?,
+            "--context" => {
+                // Token indices are u32 (with room for the decode steps).
+                a.context = count(val()?)?;
+                if a.context > u32::MAX as usize / 2 {
+                    return Err(format!("--context {}: at most {}", a.context, u32::MAX / 2));
+                }
+            }
             "--window-ratio" => a.window_ratio = within(num(val()?)?, 0.0, 1.0)?,
             "--block" => {
                 a.block = count(val()?)?;
@@ -93,7 +99,12 @@ fn parse() -> std::result::Result<Args, String> {
             "--gpu-gib" => a.gpu_gib = within(num(val()?)?, 0.0, f64::MAX)?,
             "--layers" => a.layers = count(val()?)?,
             "--beta" => a.beta = num(val()?)? as f32,
-            "--steps" => a.steps = count(val()?)?,
+            "--steps" => {
+                a.steps = count(val()?)?;
+                if a.steps > u32::MAX as usize / 2 {
+                    return Err(format!("--steps {}: at most {}", a.steps, u32::MAX / 2));
+                }
+            }
             "--backend" => a.backend = val()?,
             "--out" => a.out = val()?,
             "--json" => a.json = true,
@@ -470,6 +481,18 @@ fn harness(a: &Args) -> Result<()> {
 
 fn sweep(a: &Args) -> Result<()> {
     use plotters::prelude::*;
+    let err = |e: String| Error::Backend {
+        backend: "plotters",
+        message: e,
+    };
+    // Checked before the runs: the table goes beside the plot, same name, .csv.
+    let csv_path = std::path::Path::new(&a.out).with_extension("csv");
+    if csv_path == std::path::Path::new(&a.out) {
+        return Err(err(format!(
+            "--out {}: the table goes to the same name with .csv, so the plot cannot end in .csv",
+            a.out
+        )));
+    }
     let betas = [0.0625f32, 0.25, 1.0, 4.0, 16.0];
     let ratios = [0.125, 0.25, 0.5];
     println!(
@@ -509,11 +532,6 @@ fn sweep(a: &Args) -> Result<()> {
         }
         series.push((r, pts));
     }
-    let err = |e: String| Error::Backend {
-        backend: "plotters",
-        message: e,
-    };
-    let csv_path = std::path::Path::new(&a.out).with_extension("csv");
     std::fs::write(&csv_path, csv)
         .map_err(|e| err(format!("writing {}: {e}", csv_path.display())))?;
     let root = SVGBackend::new(&a.out, (800, 500)).into_drawing_area();

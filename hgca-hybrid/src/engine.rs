@@ -371,8 +371,11 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// use hgca_kernels::{AttnShape, DType};
     /// let cpu = CpuBackend::new().with_par(Par::Seq)?;
     /// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
-    /// let layer = HybridAttention::<_, _, f32>::new(AttnShape::new(4, 2, 8)?, cfg, cpu.clone(), cpu.clone())?
-    ///     .with_cpu(cpu);
+    /// let layer = HybridAttention::<_, _, f32>::new(AttnShape::new(4, 2, 8)?, cfg.clone(), cpu.clone(), cpu.clone())?
+    ///     .with_cpu(cpu.clone());
+    /// assert_eq!(layer.cpu_backend().threads(), 1);
+    /// // The same in one call:
+    /// let layer = HybridAttention::<_, _, f32>::cpu_on(AttnShape::new(4, 2, 8)?, cfg, cpu)?;
     /// assert_eq!(layer.cpu_backend().threads(), 1);
     /// # Ok::<(), hgca_kernels::Error>(())
     /// ```

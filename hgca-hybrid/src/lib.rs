@@ -30,8 +30,8 @@ pub trait SequenceAttention {
     /// Typed errors for lengths that do not fit the layer's shape, checked
     /// before anything changes: the cache is then as it was. A backend that
     /// fails later in the step (memory refused, a device lost) returns its
-    /// error with this call's tokens possibly appended and `out` not
-    /// written; tokens held before the call are never lost (an eviction
+    /// error with this call's tokens possibly appended and `out` possibly
+    /// partly written; tokens held before the call are never lost (an eviction
     /// reserves the store's memory before rows leave the window, and a
     /// window gives up rows only once they are read back).
     fn forward(&mut self, q: &[f32], k: &[f32], v: &[f32], n: usize, out: &mut [f32])

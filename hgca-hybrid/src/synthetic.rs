@@ -268,9 +268,11 @@ fn reference_check<T: KvElem>(s: &AttnShape, all: &KvStore<T>, q: &[f32], full_o
     if n == 0 {
         return 0.0;
     }
-    let widen = |row: &[T]| row.iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-    let k: Vec<f32> = (0..n).flat_map(|j| widen(all.k_row(0, j))).collect();
-    let v: Vec<f32> = (0..n).flat_map(|j| widen(all.v_row(0, j))).collect();
+    let (mut k, mut v) = (Vec::with_capacity(n * d), Vec::with_capacity(n * d));
+    for j in 0..n {
+        k.extend(all.k_row(0, j).iter().map(|x| x.to_f32()));
+        v.extend(all.v_row(0, j).iter().map(|x| x.to_f32()));
+    }
     let set: Vec<usize> = (0..n).collect();
     let r = hgca_ref::attend_row(&q[..d], &k, &v, d, s.scale() as f64, &set);
     let num: f64 = full_out[..d]

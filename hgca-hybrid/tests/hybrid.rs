@@ -267,11 +267,6 @@ fn recovery_keeps_recall_under_attention_shift() {
         let mut h = Harness::new(layer, Synth::new(shape, spec, 11), 4096, cpu).unwrap();
         let acc: Vec<_> = (0..24).map(|_| h.step().unwrap()).collect();
         for a in &acc {
-            // The worst head bounds the mean of the heads.
-            assert!(
-                a.worst_recall <= a.recall + 1e-12 && a.worst_rel_err >= a.rel_err - 1e-12,
-                "{a:?}"
-            );
             // The yardstick is exact far below the errors it measures.
             assert!(
                 a.reference_rel_diff < 1e-4,
@@ -370,7 +365,8 @@ fn maw_update_follows_the_formula() {
                     .iter()
                     .map(|&j| j as usize)
                     .collect();
-                cpu_seen += sel.len();
+                // Beyond the sink (token 0, always attended).
+                cpu_seen += sel.iter().filter(|&&j| j >= cfg.sinks).count();
                 let union: Vec<usize> = sel.iter().copied().chain(n_cpu..n0 + 1).collect();
                 let mut mean = vec![0.0f64; union.len()];
                 for h in 0..group {

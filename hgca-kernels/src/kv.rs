@@ -267,7 +267,8 @@ impl<T: KvElem> KvStore<T> {
     pub fn reserve(&mut self, n: usize) -> Result<()> {
         let too_many = || Error::Capacity {
             what: "kv store tokens",
-            capacity: usize::MAX,
+            // Elements (K or V) must be addressable: a bound, not an offer.
+            capacity: usize::MAX / (self.kv_heads * self.head_dim),
             requested: self.tokens.saturating_add(n),
         };
         let Some(last) = self

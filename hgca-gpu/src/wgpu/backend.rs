@@ -385,6 +385,9 @@ impl WgpuBackend {
                 let _ = tx.send(r);
             });
         }
+        // Only the callbacks hold senders now: a callback dropped without
+        // being called shows as a disconnect, not as the full deadline.
+        drop(tx);
         self.await_map(index, &rx, bufs.len())
     }
 
@@ -412,7 +415,7 @@ impl WgpuBackend {
         let mut got = 0;
         loop {
             while let Ok(r) = rx.try_recv() {
-                r.map_err(|e| backend_err(format!("mapping the staging buffer: {e}")))?;
+                self.mapped(r)?;
                 got += 1;
             }
             if got >= count {
@@ -426,7 +429,7 @@ impl WgpuBackend {
             }
             match rx.recv_timeout(Duration::from_millis(1)) {
                 Ok(r) => {
-                    r.map_err(|e| backend_err(format!("mapping the staging buffer: {e}")))?;
+                    self.mapped(r)?;
                     got += 1;
                 }
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -440,6 +443,16 @@ impl WgpuBackend {
                 .poll(wgpu::PollType::Poll)
                 .map_err(|e| backend_err(format!("poll: {e}")))?;
         }
+    }
+
+    /// One map callback's result; a failed mapping reports the device's own
+    /// error first when it has one (a lost device or out of memory is the
+    /// cause, the mapping only its symptom).
+    fn mapped(&self, r: std::result::Result<(), wgpu::BufferAsyncError>) -> Result<()> {
+        r.or_else(|e| {
+            self.take_error()?;
+            Err(backend_err(format!("mapping the staging buffer: {e}")))
+        })
     }
 
     /// Tokens per split and the number of splits for `len` tokens and `rows` query rows.
