@@ -147,13 +147,14 @@ fn run_hgca<T: KvElem>(crit: &mut Criterion, rep: &Report, c: Cfg) {
     let id = c.id();
     let mut g = crit.benchmark_group("attention");
     g.throughput(Throughput::Bytes(by));
-    if by > 64 << 20 {
-        g.sample_size(10);
-    }
+    // Set here, not left to criterion's default: the report keeps exactly
+    // these last calls (the measurement, not the warm-up).
+    let samples = if by > 64 << 20 { 10 } else { 100 };
+    g.sample_size(samples);
     let mut turn = 0;
     g.bench_function(&id, |bch| {
         bch.iter_custom(|iters| {
-            rep.time(&id, by, ws, c.threads, iters, || {
+            rep.time(&id, by, ws, c.threads, samples, iters, || {
                 if c.kernel == "dense" {
                     b.dense_decode(&shape, black_box(&dat.q), &kv, out.as_mut(), None)
                         .unwrap()
@@ -208,10 +209,11 @@ fn run_candle(crit: &mut Criterion, rep: &Report, c: Cfg) {
     let id = c.id();
     let mut grp = crit.benchmark_group("attention");
     grp.throughput(Throughput::Bytes(by));
-    grp.sample_size(10);
+    let samples = 10;
+    grp.sample_size(samples);
     grp.bench_function(&id, |b| {
         b.iter_custom(|iters| {
-            rep.time(&id, by, ws, c.threads, iters, || {
+            rep.time(&id, by, ws, c.threads, samples, iters, || {
                 black_box(attend().unwrap());
             })
         })

@@ -273,10 +273,22 @@ pub struct Row {
     pub working_set: usize,
     /// Threads.
     pub threads: usize,
-    /// Total time and iterations measured.
-    pub time: Duration,
-    /// Iterations.
-    pub iters: u64,
+    /// Every call criterion made, in order: (time, iterations). Warm-up
+    /// calls come first, the measurement's samples last.
+    pub calls: Vec<(Duration, u64)>,
+    /// How many of the last calls are criterion's measurement samples.
+    pub samples: usize,
+}
+
+impl Row {
+    /// Mean seconds per iteration over the measurement samples only (the
+    /// warm-up's calls, cold caches and page faults included, are left out).
+    pub fn per_call(&self) -> f64 {
+        let m = &self.calls[self.calls.len().saturating_sub(self.samples)..];
+        let time: f64 = m.iter().map(|c| c.0.as_secs_f64()).sum();
+        let iters: u64 = m.iter().map(|c| c.1).sum();
+        time / iters.max(1) as f64
+    }
 }
 
 /// Collects criterion's own measurements (through `iter_custom`) for the report.
@@ -284,13 +296,17 @@ pub struct Row {
 pub struct Report(Mutex<BTreeMap<String, Row>>);
 
 impl Report {
-    /// Times `iters` calls of `f` for criterion and records them under `id`.
+    /// Times `iters` calls of `f` for criterion and records them under `id`;
+    /// `samples` is the group's sample size (the report keeps that many of
+    /// the last calls: criterion's measurement, not its warm-up).
+    #[allow(clippy::too_many_arguments)]
     pub fn time(
         &self,
         id: &str,
         bytes: u64,
         working_set: usize,
         threads: usize,
+        samples: usize,
         iters: u64,
         mut f: impl FnMut(),
     ) -> Duration {
@@ -304,17 +320,16 @@ impl Report {
             bytes,
             working_set,
             threads,
-            time: Duration::ZERO,
-            iters: 0,
+            calls: Vec::new(),
+            samples,
         });
-        row.time += e;
-        row.iters += iters;
+        row.calls.push((e, iters));
         e
     }
-    /// Mean seconds per call of `id`.
+    /// Mean seconds per call of `id` over the measurement samples.
     pub fn mean(&self, id: &str) -> Option<f64> {
         let m = self.0.lock().unwrap();
-        m.get(id).map(|r| r.time.as_secs_f64() / r.iters as f64)
+        m.get(id).map(Row::per_call)
     }
     /// Prints the table: id, time, GB/s, % of the probe, and the ratio to a peer.
     pub fn print(&self, probe: &Probe, peer_of: impl Fn(&str) -> Option<String>) {
@@ -324,14 +339,11 @@ impl Report {
             "bench", "time/call", "GB/s", "% of probe", "x peer", "% gather"
         );
         for (id, r) in m.iter() {
-            let t = r.time.as_secs_f64() / r.iters as f64;
+            let t = r.per_call();
             let gbs = r.bytes as f64 / t;
             let (bw, kind) = probe.reference(r.working_set, r.threads);
             let ratio = peer_of(id)
-                .and_then(|p| {
-                    m.get(&p)
-                        .map(|pr| pr.time.as_secs_f64() / pr.iters as f64 / t)
-                })
+                .and_then(|p| m.get(&p).map(|pr| pr.per_call() / t))
                 .map(|x| format!("{x:.1}"))
                 .unwrap_or_default();
             // Sparse kernels from DRAM: also against the random-row probe.
