@@ -212,7 +212,13 @@ impl Summary {
         self.acc.iter().map(f).sum::<f64>() / self.acc.len().max(1) as f64
     }
     fn min_recall(&self) -> f64 {
-        self.acc.iter().map(|a| a.recall).fold(1.0, f64::min)
+        self.min(|a| a.recall)
+    }
+    fn min(&self, f: impl Fn(&StepAccuracy) -> f64) -> f64 {
+        self.acc.iter().map(f).fold(1.0, f64::min)
+    }
+    fn max(&self, f: impl Fn(&StepAccuracy) -> f64) -> f64 {
+        self.acc.iter().map(f).fold(0.0, f64::max)
     }
 }
 
@@ -371,15 +377,12 @@ fn hybrid(a: &Args) -> Result<()> {
             cfg.beta,
             s.mean(|x| x.selected),
             s.mean(|x| x.rel_err),
-            s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
+            s.max(|x| x.rel_err),
             s.mean(|x| x.recall),
             s.min_recall(),
-            s.acc.iter().map(|x| x.worst_rel_err).fold(0.0, f64::max),
-            s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min),
-            s.acc
-                .iter()
-                .map(|x| x.reference_rel_diff)
-                .fold(0.0, f64::max),
+            s.max(|x| x.worst_rel_err),
+            s.min(|x| x.worst_recall),
+            s.max(|x| x.reference_rel_diff),
             full / total
         );
         return Ok(());
@@ -401,21 +404,18 @@ fn hybrid(a: &Args) -> Result<()> {
     println!(
         "  accuracy vs full attention: relative error mean {:.2e}, max {:.2e}; attention-mass recall mean {:.4}%, min {:.4}%",
         s.mean(|x| x.rel_err),
-        s.acc.iter().map(|x| x.rel_err).fold(0.0, f64::max),
+        s.max(|x| x.rel_err),
         100.0 * s.mean(|x| x.recall),
         100.0 * s.min_recall()
     );
     println!(
         "  worst single query head over all steps: relative error {:.2e}, recall {:.4}%",
-        s.acc.iter().map(|x| x.worst_rel_err).fold(0.0, f64::max),
-        100.0 * s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min)
+        s.max(|x| x.worst_rel_err),
+        100.0 * s.min(|x| x.worst_recall)
     );
     println!(
         "  yardstick: full attention by the CPU kernel (f32); against hgca-ref (f64) on head 0 it differs by at most {:.1e} (relative)",
-        s.acc
-            .iter()
-            .map(|x| x.reference_rel_diff)
-            .fold(0.0, f64::max)
+        s.max(|x| x.reference_rel_diff)
     );
     println!(
         "  time per step: {total:.2} ms = dense {dense:.2} (submit {submit:.2}, wait + copy-out {:.2}) + sparse {sparse:.2} (select {select:.2}) + merge/MAW {merge:.2} + other {:.2}",
@@ -471,7 +471,7 @@ fn harness(a: &Args) -> Result<()> {
                 100.0 * s.mean(|x| x.selected),
                 100.0 * s.mean(|x| x.recall),
                 100.0 * s.min_recall(),
-                100.0 * s.acc.iter().map(|x| x.worst_recall).fold(1.0, f64::min),
+                100.0 * s.min(|x| x.worst_recall),
                 s.mean(|x| x.rel_err)
             );
         }
