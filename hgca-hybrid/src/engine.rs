@@ -152,6 +152,47 @@ impl StepStats {
     }
 }
 
+/// The per-layer parts every sequence shares: shape, configuration and
+/// backends.
+#[derive(Debug)]
+pub(crate) struct Shared<D, S> {
+    pub(crate) shape: AttnShape,
+    pub(crate) cfg: HybridConfig,
+    beta: Beta,
+    alpha: Alpha,
+    pub(crate) dense: D,
+    pub(crate) sparse: S,
+    pub(crate) cpu: CpuBackend,
+}
+
+impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
+    /// Validates `cfg` for `shape` and storage type `T`.
+    pub(crate) fn new<T: KvElem>(
+        shape: AttnShape,
+        cfg: HybridConfig,
+        dense: D,
+        sparse: S,
+    ) -> Result<Self> {
+        let (beta, alpha) = cfg.validate(&shape)?;
+        if T::DTYPE != cfg.dtype {
+            return Err(Error::UnsupportedDType {
+                dtype: cfg.dtype,
+                backend: "hybrid",
+                reason: format!("the layer stores {}", T::DTYPE),
+            });
+        }
+        Ok(Self {
+            shape,
+            cfg,
+            beta,
+            alpha,
+            dense,
+            sparse,
+            cpu: CpuBackend::new(),
+        })
+    }
+}
+
 /// The hybrid attention of one layer: the most recent tokens in a dense
 /// window on backend `D` (a GPU, or the CPU standing in), older tokens in a
 /// CPU store attended sparsely by `S` over the entries selected per KV head
@@ -159,6 +200,8 @@ impl StepStats {
 ///
 /// A decode step submits the dense work, runs the CPU side meanwhile, then
 /// waits and merges; only outputs and LSE values cross between the sides.
+/// This is one sequence; [`crate::HybridBatch`] holds a batch of
+/// independent sequences on the same backends.
 ///
 /// ```
 /// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
@@ -173,17 +216,21 @@ impl StepStats {
 /// }
 /// assert_eq!(layer.len(), 200);
 /// assert!(layer.stats().cpu_tokens >= 200 - 64);
+/// // The same decode step in two calls: the token enters, then its query attends.
+/// let x = vec![0.5; 32];
+/// layer.append(&x, &x, 1)?;
+/// layer.attend(&vec![0.1; 64], &mut out)?;
+/// assert_eq!(layer.len(), 201);
 /// # Ok::<(), hgca_kernels::Error>(())
 /// ```
 #[derive(Debug)]
 pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
-    shape: AttnShape,
-    cfg: HybridConfig,
-    beta: Beta,
-    alpha: Alpha,
-    dense: D,
-    sparse: S,
-    cpu: CpuBackend,
+    l: Shared<D, S>,
+    seq: Seq<D, T>,
+}
+
+/// One sequence's cache (window and CPU store) and selection state.
+pub(crate) struct Seq<D: DenseAttention, T: KvElem> {
     window: D::Window,
     /// MAW of the window's tokens, `[kv_heads][capacity]`, in the window's ring order.
     win_maw: Vec<f32>,
@@ -321,41 +368,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`]
     /// when `T` is not `cfg.dtype`; backend errors creating the window.
     pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
-        let (beta, alpha) = cfg.validate(&shape)?;
-        if T::DTYPE != cfg.dtype {
-            return Err(Error::UnsupportedDType {
-                dtype: cfg.dtype,
-                backend: "hybrid",
-                reason: format!("the layer stores {}", T::DTYPE),
-            });
-        }
-        let window = dense.new_window(WindowSpec::new(shape, cfg.window, cfg.dtype)?)?;
-        let hk = shape.kv_heads();
-        Ok(Self {
-            win_maw: vec![0.0; hk * cfg.window],
-            win_head: 0,
-            store: KvStore::new(hk, shape.head_dim(), cfg.block)?,
-            maw: vec![HeadMaw::default(); hk],
-            bounds: vec![Vec::new(); hk],
-            sel: Selection::new(),
-            steps: 0,
-            last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
-            stats: StepStats::default(),
-            heads: Vec::new(),
-            gpu_w: Vec::new(),
-            cpu_w: Vec::new(),
-            to_union: Vec::new(),
-            evict_k: Vec::new(),
-            evict_v: Vec::new(),
-            cpu: CpuBackend::new(),
-            shape,
-            cfg,
-            beta,
-            alpha,
-            dense,
-            sparse,
-            window,
-        })
+        let l = Shared::new::<T>(shape, cfg, dense, sparse)?;
+        let seq = Seq::new(&l)?;
+        Ok(Self { l, seq })
     }
 
     /// Sets the CPU backend of the layer's own CPU work: selection (block
@@ -381,60 +396,190 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// ```
     #[must_use]
     pub fn with_cpu(mut self, cpu: CpuBackend) -> Self {
-        self.cpu = cpu;
+        self.l.cpu = cpu;
         self
     }
 
     /// The CPU backend of the layer's own CPU work (see [`Self::with_cpu`]).
     pub fn cpu_backend(&self) -> &CpuBackend {
-        &self.cpu
+        &self.l.cpu
     }
 
-    /// Stats of the last `forward`.
+    /// Stats of the last decode step or prompt chunk.
     pub fn stats(&self) -> &StepStats {
-        &self.stats
+        &self.seq.stats
     }
     /// The layer's shape.
     pub fn shape(&self) -> &AttnShape {
-        &self.shape
+        &self.l.shape
     }
     /// The configuration.
     pub fn config(&self) -> &HybridConfig {
-        &self.cfg
+        &self.l.cfg
     }
     /// The CPU entries attended by the last decode step, per KV head
     /// (indices into the CPU store, whose token `j` is sequence position `j`).
     pub fn last_selection(&self) -> &Selection {
-        &self.sel
+        &self.seq.sel
     }
     /// Times the dense side of a decode step alone: the same submit and wait
-    /// (with the window's weights) as [`SequenceAttention::forward`] does,
-    /// with no CPU work beside it. This is the `dense` term of the overlap
-    /// bound `step <= 1.1 max(dense, sparse) + merge`: a step's own
+    /// (with the window's weights) as [`Self::attend`] does, with no CPU
+    /// work beside it. This is the `dense` term of the overlap bound
+    /// `step <= 1.1 max(dense, sparse) + merge`: a step's own
     /// [`StepStats::dense`] only sees the part of the GPU time that the CPU
     /// side did not hide.
     ///
     /// # Errors
     /// [`Error::Length`] when `q` is not `[q_heads, d]`; backend errors.
     pub fn time_dense_alone(&self, q: &[f32]) -> Result<Duration> {
-        let layout = PartialLayout::decode(&self.shape);
+        check_len("q", self.l.shape.q_len(), q.len())?;
+        let layout = PartialLayout::decode(&self.l.shape);
         let mut part = Partial::empty(layout);
-        let mut w = vec![0.0; self.shape.q_heads() * self.window.len()];
+        let mut w = vec![0.0; self.l.shape.q_heads() * self.seq.window.len()];
         let t = Instant::now();
-        let pending = self.dense.submit_decode(&self.window, q, true)?;
-        self.dense.wait(pending, part.as_mut(), Some(&mut w))?;
+        let pending = self.l.dense.submit_decode(&self.seq.window, q, true)?;
+        self.l.dense.wait(pending, part.as_mut(), Some(&mut w))?;
         Ok(t.elapsed())
     }
 
     /// Tokens in the CPU store (sequence positions `0..cpu_tokens`); the
     /// window holds the positions after them.
     pub fn cpu_tokens(&self) -> usize {
-        self.store.tokens()
+        self.seq.store.tokens()
     }
     /// The MAW of every token, `[kv_heads][len]` in sequence order (CPU entries, then the window's).
     pub fn maw_snapshot(&self) -> Vec<Vec<f32>> {
-        let cap = self.cfg.window;
-        (0..self.shape.kv_heads())
+        self.seq.maw_snapshot(&self.l)
+    }
+
+    /// Appends `n` tokens (token-major K and V, `[n, kv_heads, d]`) without
+    /// attending: they enter the window, the oldest blocks moving to the CPU
+    /// store when it is full. Each new token's MAW starts at `1 / n_gpu`
+    /// (the window's length after it), as a decode step's does. With
+    /// [`Self::attend`] after it, `append(k, v, 1)` is a decode step
+    /// ([`SequenceAttention::forward`] with `n = 1`), bit for bit.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for lengths that do not fit, checked before
+    /// anything changes; backend errors (tokens held before are never lost).
+    pub fn append(&mut self, k: &[f32], v: &[f32], n: usize) -> Result<()> {
+        self.seq.append(&self.l, k, v, n)
+    }
+
+    /// Decode attention of one query (`q`: `[q_heads, d]`) over every token
+    /// held: dense over the window, sparse over the selected CPU entries,
+    /// merged exactly, MAW updated. Writes `out` (`[q_heads, d]`); before
+    /// the first token, the empty attention (zeros).
+    ///
+    /// # Errors
+    /// [`Error::Length`] for lengths that do not fit (checked first);
+    /// backend errors.
+    pub fn attend(&mut self, q: &[f32], out: &mut [f32]) -> Result<()> {
+        self.seq.check_attend(&self.l, q, out)?;
+        self.seq.attend(&self.l, q, out)
+    }
+
+    /// Appends `n` tokens (token-major K and V) whose attention outputs are
+    /// not needed, as for a context prefilled elsewhere, then re-evaluates
+    /// every entry's MAW against `probe` (one query, `[q_heads, d]`).
+    ///
+    /// # Errors
+    /// [`Error::Length`] for lengths that do not fit; backend errors.
+    pub fn extend(&mut self, k: &[f32], v: &[f32], n: usize, probe: &[f32]) -> Result<()> {
+        check_len("probe", self.l.shape.q_len(), probe.len())?;
+        self.seq.append(&self.l, k, v, n)?;
+        if self.len() > 0 {
+            self.seq.refresh_maw(&self.l, probe)?;
+        }
+        Ok(())
+    }
+}
+
+impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
+    for HybridAttention<D, S, T>
+{
+    fn forward(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.seq.forward(&self.l, q, k, v, n, out)
+    }
+
+    fn len(&self) -> usize {
+        self.seq.len()
+    }
+}
+
+impl<D: DenseAttention, T: KvElem> std::fmt::Debug for Seq<D, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seq")
+            .field("window_tokens", &self.window.len())
+            .field("cpu_tokens", &self.store.tokens())
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A decode step's CPU side, run while the dense side works.
+pub(crate) struct CpuSide {
+    part: Partial,
+    /// Whether every CPU entry was attended (a re-score step).
+    full: bool,
+    select: Duration,
+    time: Duration,
+}
+
+/// A decode step's dense side, submitted and not yet waited for.
+pub(crate) struct Submitted<P> {
+    pending: P,
+    /// When the step began, and how long its submit took.
+    t0: Instant,
+    submit: Duration,
+}
+
+impl<D: DenseAttention, T: KvElem> Seq<D, T> {
+    /// An empty sequence: a new window on `l.dense`, an empty store.
+    pub(crate) fn new<S>(l: &Shared<D, S>) -> Result<Self> {
+        let (shape, cfg) = (l.shape, &l.cfg);
+        let window = l
+            .dense
+            .new_window(WindowSpec::new(shape, cfg.window, cfg.dtype)?)?;
+        let hk = shape.kv_heads();
+        Ok(Self {
+            window,
+            win_maw: vec![0.0; hk * cfg.window],
+            win_head: 0,
+            store: KvStore::new(hk, shape.head_dim(), cfg.block)?,
+            maw: vec![HeadMaw::default(); hk],
+            bounds: vec![Vec::new(); hk],
+            sel: Selection::new(),
+            steps: 0,
+            last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
+            stats: StepStats::default(),
+            heads: Vec::new(),
+            gpu_w: Vec::new(),
+            cpu_w: Vec::new(),
+            to_union: Vec::new(),
+            evict_k: Vec::new(),
+            evict_v: Vec::new(),
+        })
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.store.tokens() + self.window.len()
+    }
+
+    pub(crate) fn stats(&self) -> &StepStats {
+        &self.stats
+    }
+
+    fn maw_snapshot<S>(&self, l: &Shared<D, S>) -> Vec<Vec<f32>> {
+        let cap = l.cfg.window;
+        (0..l.shape.kv_heads())
             .map(|g| {
                 let mut v = self.maw[g].values.clone();
                 v.extend(
@@ -446,20 +591,48 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             .collect()
     }
 
+    /// [`SequenceAttention::forward`] of this sequence.
+    pub(crate) fn forward<S: SparseAttention>(
+        &mut self,
+        l: &Shared<D, S>,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        crate::check_forward(&l.shape, q, k, v, n, out)?;
+        match n {
+            0 => Ok(()),
+            1 => {
+                self.append(l, k, v, 1)?;
+                self.attend(l, q, out)
+            }
+            _ => self.prefill(l, q, k, v, n, out),
+        }
+    }
+
+    /// The boundary check of a decode query and its output.
+    pub(crate) fn check_attend<S>(&self, l: &Shared<D, S>, q: &[f32], out: &[f32]) -> Result<()> {
+        check_len("q", l.shape.q_len(), q.len())?;
+        check_len("out", l.shape.q_len(), out.len())
+    }
+
     /// Evicts one block (or what the window holds, if less) to the CPU store.
-    fn evict_block(&mut self) -> Result<()> {
-        let n = self.cfg.block.min(self.window.len());
-        let (hk, d, cap) = (
-            self.shape.kv_heads(),
-            self.shape.head_dim(),
-            self.cfg.window,
+    fn evict_block<S>(&mut self, l: &Shared<D, S>) -> Result<()> {
+        let n = l.cfg.block.min(self.window.len());
+        let (hk, d, cap, bt) = (
+            l.shape.kv_heads(),
+            l.shape.head_dim(),
+            l.cfg.window,
+            l.cfg.block,
         );
         self.evict_k.resize(hk * n * d, T::default());
         self.evict_v.resize(hk * n * d, T::default());
         // The store's memory first: once the rows have left the window,
         // their push must not fail (they would be lost).
         self.store.reserve(n)?;
-        self.dense
+        l.dense
             .evict_oldest(&mut self.window, n, &mut self.evict_k, &mut self.evict_v)?;
         self.store
             .push_head_major(n, &self.evict_k, &self.evict_v)?;
@@ -468,11 +641,11 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             let maw = &mut self.maw[g];
             maw.values
                 .extend((0..n).map(|i| self.win_maw[g * cap + (self.win_head + i) % cap]));
-            maw.refresh(self.cfg.block, base..base + n);
+            maw.refresh(bt, base..base + n);
             // Key bounds of the new rows, folded into their store blocks.
             for i in 0..n {
                 let j = base + i;
-                let b = j / self.cfg.block;
+                let b = j / bt;
                 let bnd = &mut self.bounds[g];
                 if bnd.len() < (b + 1) * 2 * d {
                     bnd.extend(std::iter::repeat_n(T::from_f32(f32::INFINITY), d));
@@ -493,11 +666,18 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     }
 
     /// Appends `n` tokens to the window (space must be free), MAW starting at `init`.
-    fn push_window(&mut self, k: &[f32], v: &[f32], n: usize, init: f32) -> Result<()> {
-        let cap = self.cfg.window;
+    fn push_window<S>(
+        &mut self,
+        l: &Shared<D, S>,
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+        init: f32,
+    ) -> Result<()> {
+        let cap = l.cfg.window;
         let at = (self.win_head + self.window.len()) % cap;
-        self.dense.append(&mut self.window, n, k, v)?;
-        for g in 0..self.shape.kv_heads() {
+        l.dense.append(&mut self.window, n, k, v)?;
+        for g in 0..l.shape.kv_heads() {
             for i in 0..n {
                 self.win_maw[g * cap + (at + i) % cap] = init;
             }
@@ -505,29 +685,174 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         Ok(())
     }
 
+    /// Appends `n` tokens in pieces that fit the window, evicting blocks as
+    /// needed; each piece's MAW starts at `1 / n_gpu` after it.
+    pub(crate) fn append<S>(
+        &mut self,
+        l: &Shared<D, S>,
+        k: &[f32],
+        v: &[f32],
+        n: usize,
+    ) -> Result<()> {
+        let kl = l.shape.kv_token_len();
+        check_len("k", n * kl, k.len())?;
+        check_len("v", n * kl, v.len())?;
+        let mut done = 0;
+        while done < n {
+            if self.window.free() == 0 {
+                self.evict_block(l)?;
+            }
+            let m = (n - done).min(self.window.free());
+            let init = 1.0 / (self.window.len() + m) as f32;
+            self.push_window(
+                l,
+                &k[done * kl..(done + m) * kl],
+                &v[done * kl..(done + m) * kl],
+                m,
+                init,
+            )?;
+            done += m;
+        }
+        Ok(())
+    }
+
+    /// Decode attention of one query over every token held (lengths checked
+    /// by the caller): submit, CPU side, wait and merge.
+    pub(crate) fn attend<S: SparseAttention>(
+        &mut self,
+        l: &Shared<D, S>,
+        q: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        let sub = self.submit(l, q)?;
+        let cpu = self.cpu_side(l, q)?;
+        self.finish(l, sub, cpu, out)
+    }
+
+    /// Step 1 of a decode: submits the dense side (it runs while the CPU
+    /// side does).
+    pub(crate) fn submit<S>(&self, l: &Shared<D, S>, q: &[f32]) -> Result<Submitted<D::Pending>> {
+        let t0 = Instant::now();
+        let pending = l.dense.submit_decode(&self.window, q, true)?;
+        Ok(Submitted {
+            pending,
+            t0,
+            submit: t0.elapsed(),
+        })
+    }
+
+    /// Step 2 of a decode: the CPU side (selection and sparse attention, or
+    /// every entry on a re-score step).
+    pub(crate) fn cpu_side<S: SparseAttention>(
+        &mut self,
+        l: &Shared<D, S>,
+        q: &[f32],
+    ) -> Result<CpuSide> {
+        let s = l.shape;
+        let ts = Instant::now();
+        let full = matches!(l.cfg.recovery, Recovery::Rescore { every } if self.steps % every == every - 1);
+        let mut part = Partial::empty(PartialLayout::decode(&s));
+        // The weight buffer of the last step is reused and not cleared: a
+        // fresh multi-MiB vector per step costs its page faults and a fill,
+        // and the backends write every weight (the conformance suites check
+        // that on NaN-poisoned buffers).
+        let mut cpu_w = std::mem::take(&mut self.cpu_w);
+        let mut select = Duration::ZERO;
+        let r = if full {
+            self.sel = Selection::all(s.kv_heads(), self.store.tokens());
+            cpu_w.resize(s.q_heads() * self.store.tokens(), 0.0);
+            l.cpu
+                .dense_decode(&s, q, &self.store, part.as_mut(), Some(&mut cpu_w))
+        } else {
+            let tsel = Instant::now();
+            self.select(l, q).and_then(|()| {
+                select = tsel.elapsed();
+                cpu_w.resize(s.group() * self.sel.total(), 0.0);
+                l.sparse.sparse_decode(
+                    &s,
+                    q,
+                    &self.store,
+                    &self.sel,
+                    part.as_mut(),
+                    Some(&mut cpu_w),
+                )
+            })
+        };
+        self.cpu_w = cpu_w;
+        r?;
+        Ok(CpuSide {
+            part,
+            full,
+            select,
+            time: ts.elapsed(),
+        })
+    }
+
+    /// Step 3 of a decode: waits for the dense side, merges exactly into
+    /// `out`, updates the MAW.
+    pub(crate) fn finish<S>(
+        &mut self,
+        l: &Shared<D, S>,
+        sub: Submitted<D::Pending>,
+        cpu: CpuSide,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let s = l.shape;
+        let n_win = self.window.len();
+        let tw = Instant::now();
+        let mut gpu_part = Partial::empty(PartialLayout::decode(&s));
+        let mut gpu_w = std::mem::take(&mut self.gpu_w);
+        gpu_w.resize(s.q_heads() * n_win, 0.0);
+        let r = l
+            .dense
+            .wait_weights(sub.pending, gpu_part.as_mut(), &mut gpu_w);
+        let waited = tw.elapsed();
+        let tm = Instant::now();
+        let cpu_w = std::mem::take(&mut self.cpu_w);
+        let r = r.and_then(|()| {
+            let mut merged = gpu_part.clone();
+            merge_into(merged.as_mut(), cpu.part.as_ref())?;
+            out.copy_from_slice(merged.out());
+            self.last_lse.copy_from_slice(merged.lse());
+            // MAW from weights normalised over the union, mean over each
+            // query group. A re-score step observes every entry exactly:
+            // like the re-evaluation on append, it resets the MAW to the
+            // current weights.
+            let a = if cpu.full { 0.0 } else { l.alpha.get() };
+            self.update_maw(l, a, (&gpu_part, &gpu_w), (&cpu.part, &cpu_w), merged.lse())
+        });
+        (self.gpu_w, self.cpu_w) = (gpu_w, cpu_w);
+        r?;
+        self.steps += 1;
+        self.stats = StepStats {
+            window_tokens: n_win,
+            cpu_tokens: self.store.tokens(),
+            selected: self.sel.total(),
+            full_cpu: cpu.full,
+            dense: sub.submit + waited,
+            dense_submit: sub.submit,
+            select: cpu.select,
+            sparse: cpu.time,
+            merge: tm.elapsed(),
+            total: sub.t0.elapsed(),
+        };
+        Ok(())
+    }
+
     /// The selection of this decode step: the MAW rule, the sinks, and the
     /// recovery rule's admissions.
-    fn select(&mut self, q: &[f32]) -> Result<()> {
+    fn select<S>(&mut self, l: &Shared<D, S>, q: &[f32]) -> Result<()> {
         let n_gpu = self.window.len();
         let n = self.store.tokens();
-        let (hk, d, group) = (
-            self.shape.kv_heads(),
-            self.shape.head_dim(),
-            self.shape.group(),
-        );
-        let bt = self.cfg.block;
-        let recovery = self.cfg.recovery;
-        let sinks = self.cfg.sinks.min(n);
-        let scale = self.shape.scale();
+        let (hk, d, group) = (l.shape.kv_heads(), l.shape.head_dim(), l.shape.group());
+        let bt = l.cfg.block;
+        let recovery = l.cfg.recovery;
+        let sinks = l.cfg.sinks.min(n);
+        let scale = l.shape.scale();
         let mut heads = std::mem::take(&mut self.heads);
         heads.resize_with(hk, HeadScratch::default);
-        let (cpu, bounds, maw, beta, last_lse) = (
-            &self.cpu,
-            &self.bounds,
-            &self.maw,
-            &self.beta,
-            &self.last_lse,
-        );
+        let (cpu, bounds, maw, beta, last_lse) =
+            (&l.cpu, &self.bounds, &self.maw, &l.beta, &self.last_lse);
         // The KV heads select independently: on the CPU backend's threads
         // (a serial scan of every entry's MAW was most of the CPU side's
         // time at 128k).
@@ -617,99 +942,19 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         Ok(())
     }
 
-    /// Decode: one token whose K/V enter the window, attention over everything.
-    fn decode(&mut self, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) -> Result<()> {
-        let t0 = Instant::now();
-        if self.window.free() == 0 {
-            self.evict_block()?;
-        }
-        let init = 1.0 / (self.window.len() + 1) as f32;
-        self.push_window(k, v, 1, init)?;
-        let s = self.shape;
-        let layout = PartialLayout::decode(&s);
-        let n_win = self.window.len();
-        // 1. Dense side: submit, do not wait.
-        let td = Instant::now();
-        let pending = self.dense.submit_decode(&self.window, q, true)?;
-        let submitted = td.elapsed();
-        // 2. CPU side meanwhile.
-        let ts = Instant::now();
-        let full = matches!(self.cfg.recovery, Recovery::Rescore { every } if self.steps % every == every - 1);
-        let mut cpu_part = Partial::empty(layout);
-        // The weight buffers of the last step are reused and not cleared: a
-        // fresh multi-MiB vector per step costs its page faults and a fill,
-        // and the backends write every weight (the conformance suites check
-        // that on NaN-poisoned buffers).
-        let mut cpu_w = std::mem::take(&mut self.cpu_w);
-        let mut select_t = Duration::ZERO;
-        if full {
-            self.sel = Selection::all(s.kv_heads(), self.store.tokens());
-            cpu_w.resize(s.q_heads() * self.store.tokens(), 0.0);
-            self.cpu
-                .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
-        } else {
-            let tsel = Instant::now();
-            self.select(q)?;
-            select_t = tsel.elapsed();
-            cpu_w.resize(s.group() * self.sel.total(), 0.0);
-            self.sparse.sparse_decode(
-                &s,
-                q,
-                &self.store,
-                &self.sel,
-                cpu_part.as_mut(),
-                Some(&mut cpu_w),
-            )?;
-        }
-        let sparse = ts.elapsed();
-        // 3. Wait for the dense side, merge exactly.
-        let tw = Instant::now();
-        let mut gpu_part = Partial::empty(layout);
-        let mut gpu_w = std::mem::take(&mut self.gpu_w);
-        gpu_w.resize(s.q_heads() * n_win, 0.0);
-        self.dense
-            .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
-        let waited = tw.elapsed();
-        let tm = Instant::now();
-        let mut merged = gpu_part.clone();
-        merge_into(merged.as_mut(), cpu_part.as_ref())?;
-        out.copy_from_slice(merged.out());
-        self.last_lse.copy_from_slice(merged.lse());
-        // 4. MAW from weights normalised over the union, mean over each query
-        // group. A re-score step observes every entry exactly: like the
-        // re-evaluation on append, it resets the MAW to the current weights.
-        let a = if full { 0.0 } else { self.alpha.get() };
-        self.update_maw(a, &gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse())?;
-        (self.gpu_w, self.cpu_w) = (gpu_w, cpu_w);
-        self.steps += 1;
-        self.stats = StepStats {
-            window_tokens: n_win,
-            cpu_tokens: self.store.tokens(),
-            selected: self.sel.total(),
-            full_cpu: full,
-            dense: submitted + waited,
-            dense_submit: submitted,
-            select: select_t,
-            sparse,
-            merge: tm.elapsed(),
-            total: t0.elapsed(),
-        };
-        Ok(())
-    }
-
     /// The MAW update with decay `a` (the step's alpha, or 0 to reset to
-    /// the current weights).
-    fn update_maw(
+    /// the current weights), from each side's partial and weights and the
+    /// union's lse.
+    fn update_maw<S>(
         &mut self,
+        l: &Shared<D, S>,
         a: f32,
-        gpu: &Partial,
-        gpu_w: &[f32],
-        cpu: &Partial,
-        cpu_w: &[f32],
+        (gpu, gpu_w): (&Partial, &[f32]),
+        (cpu, cpu_w): (&Partial, &[f32]),
         lse: &[f32],
     ) -> Result<()> {
-        let s = self.shape;
-        let (group, cap) = (s.group(), self.cfg.window);
+        let s = l.shape;
+        let (group, cap) = (s.group(), l.cfg.window);
         let n_win = self.window.len();
         // The factors c rescaling each head's weights to the union, with
         // (1 - a) and the group mean folded in: window heads, then CPU heads.
@@ -725,11 +970,11 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
                 }
             }));
         }
-        let (f, cpu_b, errors) = (&*f, &self.cpu, ErrSlot::default());
+        let (f, cpu_b, errors) = (&*f, &l.cpu, ErrSlot::default());
         // Window entries: one pass per KV head, on the backend's threads.
         // The ring holds logical token j at slot (win_head + j) % cap.
         let head = self.win_head;
-        self.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
+        l.cpu.for_chunks(&mut self.win_maw, cap, |g, ring| {
             let c = &f[g * group..(g + 1) * group];
             let w = &gpu_w[g * group * n_win..(g + 1) * group * n_win];
             let first = (cap - head).min(n_win);
@@ -745,8 +990,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             ));
         });
         // CPU entries that were attended (their weights are gathered).
-        let (sel, block) = (&self.sel, self.cfg.block);
-        self.cpu.for_chunks(&mut self.maw, 1, |g, maw| {
+        let (sel, block) = (&self.sel, l.cfg.block);
+        l.cpu.for_chunks(&mut self.maw, 1, |g, maw| {
             let maw = &mut maw[0];
             let c = &f[qh + g * group..qh + (g + 1) * group];
             let idx = sel.head(g);
@@ -761,64 +1006,39 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
 
     /// Re-evaluates the MAW of every entry (window and CPU) from the exact
     /// weights of one query `[q_heads, d]`: the paper's re-evaluation on append.
-    fn refresh_maw(&mut self, q_last: &[f32]) -> Result<()> {
-        let s = self.shape;
+    pub(crate) fn refresh_maw<S>(&mut self, l: &Shared<D, S>, q_last: &[f32]) -> Result<()> {
+        let s = l.shape;
         let layout = PartialLayout::decode(&s);
-        let pending = self.dense.submit_decode(&self.window, q_last, true)?;
+        let pending = l.dense.submit_decode(&self.window, q_last, true)?;
         let mut cpu_part = Partial::empty(layout);
         let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
-        self.cpu
+        l.cpu
             .dense_decode(&s, q_last, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
         let mut gpu_part = Partial::empty(layout);
         let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
-        self.dense
+        l.dense
             .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
         let mut merged = gpu_part.clone();
         merge_into(merged.as_mut(), cpu_part.as_ref())?;
         self.last_lse.copy_from_slice(merged.lse());
         self.sel = Selection::all(s.kv_heads(), self.store.tokens());
         // alpha = 0 for this refresh: the MAW becomes the exact current weight.
-        self.update_maw(0.0, &gpu_part, &gpu_w, &cpu_part, &cpu_w, merged.lse())
-    }
-
-    /// Appends `n` tokens (token-major K and V) whose attention outputs are
-    /// not needed, as for a context prefilled elsewhere, then re-evaluates
-    /// every entry's MAW against `probe` (one query, `[q_heads, d]`).
-    ///
-    /// # Errors
-    /// [`Error::Length`] for lengths that do not fit; backend errors.
-    pub fn extend(&mut self, k: &[f32], v: &[f32], n: usize, probe: &[f32]) -> Result<()> {
-        let s = self.shape;
-        let kl = s.kv_token_len();
-        check_len("k", n * kl, k.len())?;
-        check_len("v", n * kl, v.len())?;
-        check_len("probe", s.q_len(), probe.len())?;
-        let mut done = 0;
-        while done < n {
-            if self.window.free() == 0 {
-                self.evict_block()?;
-            }
-            let m = (n - done).min(self.window.free());
-            self.push_window(
-                &k[done * kl..(done + m) * kl],
-                &v[done * kl..(done + m) * kl],
-                m,
-                0.0,
-            )?;
-            done += m;
-        }
-        if self.len() > 0 {
-            self.refresh_maw(probe)?;
-        }
-        Ok(())
+        self.update_maw(
+            l,
+            0.0,
+            (&gpu_part, &gpu_w),
+            (&cpu_part, &cpu_w),
+            merged.lse(),
+        )
     }
 
     /// A prompt chunk: pieces of at most a window; each piece's queries
     /// attend densely to the window (causal) and to the whole CPU store (all
     /// older), merged; then the MAW of every entry is re-evaluated from the
     /// chunk's last query (the paper's re-evaluation on append).
-    fn prefill(
+    fn prefill<S>(
         &mut self,
+        l: &Shared<D, S>,
         q: &[f32],
         k: &[f32],
         v: &[f32],
@@ -826,19 +1046,20 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         out: &mut [f32],
     ) -> Result<()> {
         let t0 = Instant::now();
-        let s = self.shape;
+        let s = l.shape;
         let (ql, kl) = (s.q_len(), s.kv_token_len());
-        let piece_max = self.cfg.window;
+        let piece_max = l.cfg.window;
         let (mut dense_t, mut submit_t, mut cpu_t) =
             (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         let mut done = 0;
         while done < n {
             let m = (n - done).min(piece_max);
             while self.window.free() < m {
-                self.evict_block()?;
+                self.evict_block(l)?;
             }
             let p0 = (self.store.tokens() + self.window.len()) as u64;
             self.push_window(
+                l,
                 &k[done * kl..(done + m) * kl],
                 &v[done * kl..(done + m) * kl],
                 m,
@@ -847,24 +1068,24 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             let qp = &q[done * ql..(done + m) * ql];
             let layout = PartialLayout::append(&s, m);
             let td = Instant::now();
-            let pending = self.dense.submit_append(&self.window, qp, m, p0)?;
+            let pending = l.dense.submit_append(&self.window, qp, m, p0)?;
             submit_t += td.elapsed();
             dense_t += td.elapsed();
             let tc = Instant::now();
             let mut cpu_part = Partial::empty(layout);
             let all = self.store.tokens();
-            self.cpu
+            l.cpu
                 .dense_append(&s, qp, m, all, &self.store, cpu_part.as_mut())?;
             cpu_t += tc.elapsed();
             let tw = Instant::now();
             let mut part = Partial::empty(layout);
-            self.dense.wait(pending, part.as_mut(), None)?;
+            l.dense.wait(pending, part.as_mut(), None)?;
             dense_t += tw.elapsed();
             merge_into(part.as_mut(), cpu_part.as_ref())?;
             out[done * ql..(done + m) * ql].copy_from_slice(part.out());
             done += m;
         }
-        self.refresh_maw(&q[(n - 1) * ql..n * ql])?;
+        self.refresh_maw(l, &q[(n - 1) * ql..n * ql])?;
         self.stats = StepStats {
             window_tokens: self.window.len(),
             cpu_tokens: self.store.tokens(),
@@ -878,30 +1099,6 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
             total: t0.elapsed(),
         };
         Ok(())
-    }
-}
-
-impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
-    for HybridAttention<D, S, T>
-{
-    fn forward(
-        &mut self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        n: usize,
-        out: &mut [f32],
-    ) -> Result<()> {
-        crate::check_forward(&self.shape, q, k, v, n, out)?;
-        match n {
-            0 => Ok(()),
-            1 => self.decode(q, k, v, out),
-            _ => self.prefill(q, k, v, n, out),
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.store.tokens() + self.window.len()
     }
 }
 

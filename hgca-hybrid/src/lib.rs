@@ -3,16 +3,19 @@
 //! A per-layer attention whose KV cache is split between a dense window
 //! (GPU, or the CPU standing in) and a CPU store attended sparsely, merged
 //! exactly by LSE. [`SequenceAttention`] is the interface a model uses;
+//! [`HybridBatch`] holds a batch of independent sequences on shared backends;
 //! [`FullAttention`] is the exact baseline behind the same interface.
 #![deny(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(unsafe_code)]
 
+mod batch;
 mod engine;
 mod full;
 pub mod planner;
 pub mod synthetic;
 
+pub use batch::{HybridBatch, SeqId};
 pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
 pub use full::FullAttention;
 
