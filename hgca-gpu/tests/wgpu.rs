@@ -10,11 +10,11 @@ use std::sync::OnceLock;
 
 use hgca_gpu::wgpu::{MAX_HEAD_DIM, WgpuBackend, WgpuOptions};
 use hgca_kernels::{
-    AttnShape, DType, DenseAttention, Error, KvWindow, MergeBackend, Partial, PartialLayout,
-    PartialRef, WindowBackend, WindowSpec, bf16, f16,
+    AttnShape, DType, DenseAttention, Error, KvElem, KvWindow, MergeBackend, Partial,
+    PartialLayout, PartialRef, WindowBackend, WindowSpec, bf16, f16,
 };
 use hgca_testkit::conformance::{check_dense, check_merge_partition};
-use hgca_testkit::{EDGE_SHAPES, Rng, arb_shape, arb_spread};
+use hgca_testkit::{EDGE_SHAPES, KvLog, Rng, Tolerance, arb_shape, arb_spread};
 use proptest::prelude::*;
 
 fn required() -> bool {
@@ -523,4 +523,70 @@ fn decode_timing() {
             b.name()
         );
     }
+}
+
+/// The hybrid engine with this backend in the dense role: a batch of two
+/// sequences on one backend shared by reference (`&WgpuBackend`), the CPU
+/// attending the stores. A prompt's last query is exact attention over all
+/// its tokens; every decode step is exact attention over what it attended
+/// (window plus selected CPU entries), both against hgca-ref in f64.
+#[test]
+fn hybrid_batch_is_exact_over_the_attended_union() {
+    let b = need!(backend());
+    hybrid_batch_case::<f32>(b);
+    hybrid_batch_case::<f16>(b);
+}
+
+fn hybrid_batch_case<T: KvElem>(gpu: &WgpuBackend) {
+    use hgca_hybrid::{HybridBatch, HybridConfig, Recovery};
+    let s = shape(8, 2, 32);
+    let (ql, kl) = (s.q_len(), s.kv_token_len());
+    let tol = Tolerance::of(T::DTYPE);
+    let cfg = HybridConfig {
+        window: 64,
+        block: 16,
+        beta: 0.5,
+        recovery: Recovery::BlockBounds { top: 1 },
+        dtype: T::DTYPE,
+        ..HybridConfig::default()
+    };
+    let cpu = hgca_cpu::CpuBackend::new();
+    let mut batch = HybridBatch::<_, _, T>::new(s, cfg, gpu, cpu).unwrap();
+    let ids = [batch.add().unwrap(), batch.add().unwrap()];
+    let mut logs = [KvLog::<T>::new(s), KvLog::<T>::new(s)];
+    let mut rng = Rng::new(17);
+    let mut rows =
+        |n: usize, width: usize| -> Vec<f32> { (0..n * width).map(|_| 1.5 * rng.sym()).collect() };
+    // A prompt longer than the window for the first sequence.
+    let n = 150;
+    let (q, k, v) = (rows(n, ql), rows(n, kl), rows(n, kl));
+    let mut out = vec![f32::NAN; n * ql];
+    batch.forward(ids[0], &q, &k, &v, n, &mut out).unwrap();
+    logs[0].push(&k, &v, n);
+    let all = vec![(0..n).collect::<Vec<_>>(); s.kv_heads()];
+    if let Err(e) = logs[0].check_decode(&q[(n - 1) * ql..], &all, &out[(n - 1) * ql..], tol) {
+        panic!("{}: prompt's last query: {e}", T::DTYPE);
+    }
+    let mut partial = 0;
+    for step in 0..24 {
+        let (q, k, v) = (rows(2, ql), rows(2, kl), rows(2, kl));
+        let mut out = vec![f32::NAN; 2 * ql];
+        batch.decode(&ids, &q, &k, &v, &mut out).unwrap();
+        for (i, (&id, log)) in ids.iter().zip(&mut logs).enumerate() {
+            log.push(&k[i * kl..(i + 1) * kl], &v[i * kl..(i + 1) * kl], 1);
+            let sel = batch.last_selection(id).unwrap();
+            let sets = log.attended(sel, batch.cpu_tokens(id).unwrap());
+            partial += sets.iter().filter(|x| x.len() < log.len()).count();
+            let (q, out) = (&q[i * ql..(i + 1) * ql], &out[i * ql..(i + 1) * ql]);
+            if let Err(e) = log.check_decode(q, &sets, out, tol) {
+                panic!("{} step {step} sequence {i}: {e}", T::DTYPE);
+            }
+        }
+    }
+    assert!(
+        partial > 0,
+        "{}: no step attended a partial selection",
+        T::DTYPE
+    );
+    assert_eq!(batch.len(ids[1]).unwrap(), 24);
 }

@@ -3,7 +3,9 @@
 use std::time::{Duration, Instant};
 
 use hgca_cpu::CpuBackend;
-use hgca_kernels::{AttnShape, DenseAttention, Error, KvElem, Result, SparseAttention, check_len};
+use hgca_kernels::{
+    AttnShape, DenseAttention, Error, KvElem, Result, Selection, SparseAttention, check_len,
+};
 
 use crate::engine::{Seq, Shared};
 use crate::{HybridConfig, StepStats};
@@ -151,6 +153,23 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     /// [`Error::Index`] for an id that is not in the batch.
     pub fn stats(&self, id: SeqId) -> Result<&StepStats> {
         Ok(self.seqs[self.position(id)?].1.stats())
+    }
+
+    /// Tokens in a sequence's CPU store (its positions `0..cpu_tokens`).
+    ///
+    /// # Errors
+    /// [`Error::Index`] for an id that is not in the batch.
+    pub fn cpu_tokens(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seqs[self.position(id)?].1.cpu_tokens())
+    }
+
+    /// The CPU entries a sequence's last decode step attended, per KV head,
+    /// as [`crate::HybridAttention::last_selection`].
+    ///
+    /// # Errors
+    /// [`Error::Index`] for an id that is not in the batch.
+    pub fn last_selection(&self, id: SeqId) -> Result<&Selection> {
+        Ok(self.seqs[self.position(id)?].1.selection())
     }
 
     /// Wall time of the last [`HybridBatch::decode`].

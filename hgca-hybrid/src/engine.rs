@@ -367,6 +367,27 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// config (block 0 or not a power of two, window smaller than a block,
     /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`]
     /// when `T` is not `cfg.dtype`; backend errors creating the window.
+    ///
+    /// One backend can serve every layer of a model: `&B` and `Arc<B>` are
+    /// backends wherever `B` is (a GPU context need not be `Clone`).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use hgca_cpu::CpuBackend;
+    /// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
+    /// use hgca_kernels::{AttnShape, DType};
+    /// let (shape, cpu) = (AttnShape::new(4, 2, 8)?, Arc::new(CpuBackend::new()));
+    /// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+    /// let mut layers = (0..4)
+    ///     .map(|_| HybridAttention::<_, _, f32>::new(shape, cfg.clone(), Arc::clone(&cpu), &*cpu))
+    ///     .collect::<Result<Vec<_>, _>>()?;
+    /// let mut out = vec![0.0; 32];
+    /// for layer in &mut layers {
+    ///     layer.forward(&[0.5; 32], &[0.25; 16], &[1.0; 16], 1, &mut out)?;
+    /// }
+    /// assert_eq!(out, [1.0; 32]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
     pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
         let l = Shared::new::<T>(shape, cfg, dense, sparse)?;
         let seq = Seq::new(&l)?;
@@ -420,7 +441,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// The CPU entries attended by the last decode step, per KV head
     /// (indices into the CPU store, whose token `j` is sequence position `j`).
     pub fn last_selection(&self) -> &Selection {
-        &self.seq.sel
+        self.seq.selection()
     }
     /// Times the dense side of a decode step alone: the same submit and wait
     /// (with the window's weights) as [`Self::attend`] does, with no CPU
@@ -445,7 +466,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// Tokens in the CPU store (sequence positions `0..cpu_tokens`); the
     /// window holds the positions after them.
     pub fn cpu_tokens(&self) -> usize {
-        self.seq.store.tokens()
+        self.seq.cpu_tokens()
     }
     /// The MAW of every token, `[kv_heads][len]` in sequence order (CPU entries, then the window's).
     pub fn maw_snapshot(&self) -> Vec<Vec<f32>> {
@@ -575,6 +596,14 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
 
     pub(crate) fn stats(&self) -> &StepStats {
         &self.stats
+    }
+
+    pub(crate) fn cpu_tokens(&self) -> usize {
+        self.store.tokens()
+    }
+
+    pub(crate) fn selection(&self) -> &Selection {
+        &self.sel
     }
 
     fn maw_snapshot<S>(&self, l: &Shared<D, S>) -> Vec<Vec<f32>> {

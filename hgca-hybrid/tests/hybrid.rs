@@ -2,7 +2,7 @@
 
 use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
 use hgca_kernels::{AttnShape, DType, Error, bf16, f16};
-use hgca_testkit::Rng;
+use hgca_testkit::{KvLog, Rng, Tolerance};
 use proptest::prelude::*;
 
 fn tokens(rng: &mut Rng, n: usize, width: usize, scale: f32) -> Vec<f32> {
@@ -78,52 +78,22 @@ fn decode_is_exact_attention_over_the_selected_union() {
         };
         let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
         let mut rng = Rng::new(3);
-        // Every token's K and V per KV head, `[tokens, d]` each.
-        let (mut ks, mut vs) = (vec![Vec::new(); kvh], vec![Vec::new(); kvh]);
+        let mut log = KvLog::<f32>::new(shape);
         let (mut partial, mut checked) = (0, 0);
         for n in [100usize, 1, 1, 1, 1, 1, 1, 1, 1, 50, 1, 1, 1, 1, 1] {
             let q = tokens(&mut rng, n, shape.q_len(), 1.5);
             let k = tokens(&mut rng, n, shape.kv_token_len(), 1.5);
             let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
-            for i in 0..n {
-                for g in 0..kvh {
-                    let r = (i * kvh + g) * d..(i * kvh + g + 1) * d;
-                    ks[g].extend_from_slice(&k[r.clone()]);
-                    vs[g].extend_from_slice(&v[r]);
-                }
-            }
+            log.push(&k, &v, n);
             let mut out = vec![f32::NAN; n * shape.q_len()];
             hy.forward(&q, &k, &v, n, &mut out).unwrap();
             if n != 1 {
                 continue;
             }
-            let (len, n_cpu) = (hy.len(), hy.cpu_tokens());
-            let sets: Vec<Vec<usize>> = (0..kvh)
-                .map(|g| {
-                    let sel = hy.last_selection().head(g).iter().map(|&j| j as usize);
-                    sel.chain(n_cpu..len).collect()
-                })
-                .collect();
-            partial += sets.iter().filter(|s| s.len() < len).count();
-            let want = hgca_ref::attend(
-                &q,
-                &ks.concat(),
-                &vs.concat(),
-                shape.q_heads(),
-                kvh,
-                d,
-                len,
-                shape.scale() as f64,
-                &sets,
-            );
-            for (h, r) in want.iter().enumerate() {
-                for (i, (&got, &w)) in out[h * d..(h + 1) * d].iter().zip(&r.out).enumerate() {
-                    assert!(
-                        (got as f64 - w).abs() <= 1e-5 * (1.0 + r.score_mag),
-                        "{recovery:?} head {h} [{i}]: {got} vs {w} over {} of {len} tokens",
-                        sets[h / group].len()
-                    );
-                }
+            let sets = log.attended(hy.last_selection(), hy.cpu_tokens());
+            partial += sets.iter().filter(|s| s.len() < hy.len()).count();
+            if let Err(e) = log.check_decode(&q, &sets, &out, Tolerance::of(DType::F32)) {
+                panic!("{recovery:?}: {e}");
             }
             checked += 1;
         }
@@ -328,27 +298,23 @@ fn maw_update_follows_the_formula() {
         };
         let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()).unwrap();
         let mut rng = Rng::new(11);
-        // Every token's K, per KV head `[tokens, d]`, for the reference.
-        let mut keys: Vec<Vec<f32>> = vec![Vec::new(); kvh];
-        let mut feed = |hy: &mut HybridAttention<_, _, f32>, keys: &mut Vec<Vec<f32>>, n: usize| {
+        // Every token, for the reference.
+        let mut log = KvLog::<f32>::new(shape);
+        let mut feed = |hy: &mut HybridAttention<_, _, f32>, log: &mut KvLog<f32>, n: usize| {
             let q = tokens(&mut rng, n, shape.q_len(), 2.0);
             let k = tokens(&mut rng, n, shape.kv_token_len(), 2.0);
             let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
-            for i in 0..n {
-                for (g, kg) in keys.iter_mut().enumerate() {
-                    kg.extend_from_slice(&k[(i * kvh + g) * d..(i * kvh + g + 1) * d]);
-                }
-            }
+            log.push(&k, &v, n);
             let mut out = vec![0.0; n * shape.q_len()];
             hy.forward(&q, &k, &v, n, &mut out).unwrap();
             q
         };
-        feed(&mut hy, &mut keys, 40);
+        feed(&mut hy, &mut log, 40);
         let mut cpu_seen = 0;
         for step in 0..30 {
             let before = hy.maw_snapshot();
             let (n0, win0) = (hy.len(), hy.len() - hy.cpu_tokens());
-            let q = feed(&mut hy, &mut keys, 1);
+            let q = feed(&mut hy, &mut log, 1);
             let after = hy.maw_snapshot();
             let n_cpu = hy.cpu_tokens();
             // The window evicted a block first if it was full.
@@ -371,7 +337,7 @@ fn maw_update_follows_the_formula() {
                 let mut mean = vec![0.0f64; union.len()];
                 for h in 0..group {
                     let qh = &q[(g * group + h) * d..(g * group + h + 1) * d];
-                    let w = hgca_ref::weights_row(qh, &keys[g], d, shape.scale() as f64, &union);
+                    let w = hgca_ref::weights_row(qh, log.keys(g), d, shape.scale() as f64, &union);
                     mean.iter_mut()
                         .zip(&w)
                         .for_each(|(m, x)| *m += x / group as f64);

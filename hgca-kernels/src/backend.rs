@@ -12,6 +12,9 @@
 //! The hybrid orchestrator is generic over a `DenseAttention` and a
 //! `SparseAttention`, so the whole pipeline also runs with the CPU in both
 //! roles.
+//!
+//! `&B` and `Arc<B>` implement every one of these traits that `B` does, so
+//! one backend (a GPU context need not be `Clone`) serves many layers.
 
 use crate::{AttnShape, DType, Error, KvElem, KvSource, PartialMut, PartialRef, Result, Selection};
 
@@ -263,3 +266,74 @@ pub trait MergeBackend {
     /// [`Error::ShapeMismatch`] when layouts differ.
     fn merge_into(&self, acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()>;
 }
+
+/// Forwards every backend trait through a shared reference and an `Arc`, so
+/// that one backend (a GPU context, which need not be `Clone`) can serve many
+/// layers: each [`WindowBackend`] user owns its `D`, and `&B` or `Arc<B>` is
+/// such a `D`.
+macro_rules! forward_backend {
+    ($($ptr:ty),*) => {$(
+        impl<B: WindowBackend + ?Sized> WindowBackend for $ptr {
+            type Window = B::Window;
+            fn new_window(&self, spec: WindowSpec) -> Result<Self::Window> {
+                (**self).new_window(spec)
+            }
+            fn append(&self, window: &mut Self::Window, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
+                (**self).append(window, n, k, v)
+            }
+            fn evict_oldest<T: KvElem>(
+                &self,
+                window: &mut Self::Window,
+                n: usize,
+                k_out: &mut [T],
+                v_out: &mut [T],
+            ) -> Result<()> {
+                (**self).evict_oldest(window, n, k_out, v_out)
+            }
+        }
+
+        impl<B: DenseAttention + ?Sized> DenseAttention for $ptr {
+            type Pending = B::Pending;
+            fn name(&self) -> String {
+                (**self).name()
+            }
+            fn submit_decode(&self, window: &Self::Window, q: &[f32], want_weights: bool) -> Result<Self::Pending> {
+                (**self).submit_decode(window, q, want_weights)
+            }
+            fn submit_append(&self, window: &Self::Window, q: &[f32], n_q: usize, p0: u64) -> Result<Self::Pending> {
+                (**self).submit_append(window, q, n_q, p0)
+            }
+            fn wait(&self, pending: Self::Pending, out: PartialMut<'_>, weights: Option<&mut [f32]>) -> Result<()> {
+                (**self).wait(pending, out, weights)
+            }
+            fn wait_weights(&self, pending: Self::Pending, out: PartialMut<'_>, weights: &mut Vec<f32>) -> Result<()> {
+                (**self).wait_weights(pending, out, weights)
+            }
+        }
+
+        impl<B: SparseAttention + ?Sized> SparseAttention for $ptr {
+            fn sparse_decode<T: KvElem, S: KvSource<T>>(
+                &self,
+                shape: &AttnShape,
+                q: &[f32],
+                kv: &S,
+                sel: &Selection,
+                out: PartialMut<'_>,
+                weights: Option<&mut [f32]>,
+            ) -> Result<()> {
+                (**self).sparse_decode(shape, q, kv, sel, out, weights)
+            }
+        }
+
+        impl<B: MergeBackend + ?Sized> MergeBackend for $ptr {
+            fn merge(&self, parts: &[PartialRef<'_>], dst: PartialMut<'_>) -> Result<()> {
+                (**self).merge(parts, dst)
+            }
+            fn merge_into(&self, acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()> {
+                (**self).merge_into(acc, src)
+            }
+        }
+    )*};
+}
+
+forward_backend!(&B, std::sync::Arc<B>);

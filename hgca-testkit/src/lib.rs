@@ -7,6 +7,9 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+mod seq;
+
+pub use seq::KvLog;
 
 use hgca_kernels::{AttnShape, DType, KvElem, KvSlices, PartialLayout};
 use hgca_ref::RefRow;
