@@ -49,6 +49,11 @@ pub struct HybridConfig {
     pub alpha: f32,
     /// How entries whose importance rises come back.
     pub recovery: Recovery,
+    /// Queries a prompt chunk re-evaluates the MAW with: the MAW of every
+    /// entry becomes its mean weight over the chunk's last `refresh_queries`
+    /// queries (each over every token held, so those before the last also
+    /// see the chunk's last few tokens). 1 is the chunk's last query alone.
+    pub refresh_queries: usize,
     /// KV storage type on both sides.
     pub dtype: DType,
 }
@@ -66,6 +71,7 @@ impl Default for HybridConfig {
             beta_per_head: None,
             alpha: 0.9,
             recovery: Recovery::BlockBounds { top: 32 },
+            refresh_queries: 1,
             dtype: DType::F16,
         }
     }
@@ -81,6 +87,11 @@ impl HybridConfig {
                 what: "window smaller than one block",
                 capacity: self.window,
                 requested: self.block,
+            });
+        }
+        if self.refresh_queries == 0 {
+            return Err(Error::Zero {
+                what: "refresh queries",
             });
         }
         if !self.block.is_power_of_two() {
@@ -1034,37 +1045,47 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
     }
 
     /// Re-evaluates the MAW of every entry (window and CPU) from the exact
-    /// weights of one query `[q_heads, d]`: the paper's re-evaluation on append.
-    pub(crate) fn refresh_maw<S>(&mut self, l: &Shared<D, S>, q_last: &[f32]) -> Result<()> {
+    /// weights of the queries `qs` (`[m, q_heads, d]`, each over every token
+    /// held): the MAW becomes the mean weight over them, the paper's
+    /// re-evaluation on append. The running mean is the MAW update with
+    /// decay `i / (i + 1)` for the `i`-th query (0 for the first: the old
+    /// MAW is forgotten).
+    pub(crate) fn refresh_maw<S>(&mut self, l: &Shared<D, S>, qs: &[f32]) -> Result<()> {
         let s = l.shape;
         let layout = PartialLayout::decode(&s);
-        let pending = l.dense.submit_decode(&self.window, q_last, true)?;
-        let mut cpu_part = Partial::empty(layout);
-        let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
-        l.cpu
-            .dense_decode(&s, q_last, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
-        let mut gpu_part = Partial::empty(layout);
-        let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
-        l.dense
-            .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
-        let mut merged = gpu_part.clone();
-        merge_into(merged.as_mut(), cpu_part.as_ref())?;
-        self.last_lse.copy_from_slice(merged.lse());
+        let m = qs.len() / s.q_len();
         self.sel = Selection::all(s.kv_heads(), self.store.tokens());
-        // alpha = 0 for this refresh: the MAW becomes the exact current weight.
-        self.update_maw(
-            l,
-            0.0,
-            (&gpu_part, &gpu_w),
-            (&cpu_part, &cpu_w),
-            merged.lse(),
-        )
+        let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
+        let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
+        for (i, q) in qs.chunks_exact(s.q_len()).enumerate() {
+            let pending = l.dense.submit_decode(&self.window, q, true)?;
+            let mut cpu_part = Partial::empty(layout);
+            l.cpu
+                .dense_decode(&s, q, &self.store, cpu_part.as_mut(), Some(&mut cpu_w))?;
+            let mut gpu_part = Partial::empty(layout);
+            l.dense
+                .wait_weights(pending, gpu_part.as_mut(), &mut gpu_w)?;
+            let mut merged = gpu_part.clone();
+            merge_into(merged.as_mut(), cpu_part.as_ref())?;
+            if i + 1 == m {
+                self.last_lse.copy_from_slice(merged.lse());
+            }
+            self.update_maw(
+                l,
+                i as f32 / (i + 1) as f32,
+                (&gpu_part, &gpu_w),
+                (&cpu_part, &cpu_w),
+                merged.lse(),
+            )?;
+        }
+        Ok(())
     }
 
     /// A prompt chunk: pieces of at most a window; each piece's queries
     /// attend densely to the window (causal) and to the whole CPU store (all
     /// older), merged; then the MAW of every entry is re-evaluated from the
-    /// chunk's last query (the paper's re-evaluation on append).
+    /// chunk's last queries (the paper's re-evaluation on append, see
+    /// [`HybridConfig::refresh_queries`]).
     fn prefill<S>(
         &mut self,
         l: &Shared<D, S>,
@@ -1114,7 +1135,8 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
             out[done * ql..(done + m) * ql].copy_from_slice(part.out());
             done += m;
         }
-        self.refresh_maw(l, &q[(n - 1) * ql..n * ql])?;
+        let m = l.cfg.refresh_queries.min(n);
+        self.refresh_maw(l, &q[(n - m) * ql..n * ql])?;
         self.stats = StepStats {
             window_tokens: self.window.len(),
             cpu_tokens: self.store.tokens(),

@@ -368,3 +368,66 @@ fn maw_update_follows_the_formula() {
         );
     }
 }
+
+/// A prompt chunk's re-evaluation: every entry's MAW becomes its mean
+/// weight over the chunk's last `refresh_queries` queries (group mean,
+/// each query over every token held), checked against hgca-ref's weights,
+/// with a CPU store behind the window.
+#[test]
+fn prompt_refresh_is_the_mean_weight_over_the_last_queries() {
+    let (kvh, group, d) = (2usize, 2usize, 8usize);
+    let shape = AttnShape::new(kvh * group, kvh, d).unwrap();
+    for m in [1usize, 3, 7] {
+        let cfg = HybridConfig {
+            window: 32,
+            block: 8,
+            refresh_queries: m,
+            recovery: Recovery::Frozen,
+            dtype: DType::F32,
+            ..HybridConfig::default()
+        };
+        let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
+        let mut rng = Rng::new(m as u64);
+        let mut log = KvLog::<f32>::new(shape);
+        for n in [20usize, 45] {
+            let q = tokens(&mut rng, n, shape.q_len(), 2.0);
+            let k = tokens(&mut rng, n, shape.kv_token_len(), 2.0);
+            let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+            log.push(&k, &v, n);
+            let mut out = vec![0.0; n * shape.q_len()];
+            hy.forward(&q, &k, &v, n, &mut out).unwrap();
+            let len = hy.len();
+            let all: Vec<usize> = (0..len).collect();
+            let maw = hy.maw_snapshot();
+            for (g, maw) in maw.iter().enumerate() {
+                let mut want = vec![0.0f64; len];
+                for i in n - m..n {
+                    for h in 0..group {
+                        let qh = &q[(i * kvh * group + g * group + h) * d..][..d];
+                        let w =
+                            hgca_ref::weights_row(qh, log.keys(g), d, shape.scale() as f64, &all);
+                        for (x, y) in want.iter_mut().zip(w) {
+                            *x += y / (m * group) as f64;
+                        }
+                    }
+                }
+                for (j, (&got, &w)) in maw.iter().zip(&want).enumerate() {
+                    assert!(
+                        (got as f64 - w).abs() <= 1e-6 + 1e-5 * w,
+                        "m {m} chunk {n} head {g} token {j}: MAW {got} vs {w}"
+                    );
+                }
+            }
+        }
+        assert!(hy.cpu_tokens() > 0, "no CPU store behind the window");
+    }
+    let bad = HybridConfig {
+        refresh_queries: 0,
+        dtype: DType::F32,
+        ..HybridConfig::default()
+    };
+    assert!(matches!(
+        HybridAttention::<_, _, f32>::cpu(shape, bad),
+        Err(Error::Zero { .. })
+    ));
+}

@@ -116,6 +116,10 @@ struct PplArgs {
     /// Hybrid: always-attended first tokens.
     #[arg(long, default_value_t = 4)]
     sinks: usize,
+    /// Hybrid: queries of a prompt chunk its MAW re-evaluation averages
+    /// over (the chunk's last ones).
+    #[arg(long, default_value_t = 1)]
+    refresh_queries: usize,
     /// Tokens of each segment that are context only (prefilled in chunks,
     /// not scored); default: 0 (score every prediction).
     #[arg(long, default_value_t = 0)]
@@ -404,6 +408,7 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                         window,
                         block,
                         sinks: a.sinks,
+                        refresh_queries: a.refresh_queries,
                         beta,
                         recovery,
                         ..HybridConfig::default()
