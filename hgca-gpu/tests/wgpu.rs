@@ -590,3 +590,43 @@ fn hybrid_batch_case<T: KvElem>(gpu: &WgpuBackend) {
     );
     assert_eq!(batch.len(ids[1]).unwrap(), 24);
 }
+
+/// An eviction uses the rows a prefetch copied out (the window counts it)
+/// and gives the same rows as one without; a prefetch of other rows is not
+/// used.
+#[test]
+fn prefetched_evictions_are_used() {
+    let b = need!(backend());
+    let s = shape(4, 2, 24);
+    let kl = s.kv_token_len();
+    let mut rng = Rng::new(21);
+    let kv: Vec<f32> = (0..16 * kl).map(|_| rng.sym()).collect();
+    let mut evicted = Vec::new();
+    for prefetch in [false, true] {
+        let mut w = b
+            .new_window(WindowSpec::new(s, 16, DType::F16).unwrap())
+            .unwrap();
+        b.append(&mut w, 16, &kv, &kv).unwrap();
+        if prefetch {
+            b.prefetch_oldest(&mut w, 4).unwrap();
+            // The same rows again: the first copy stands.
+            b.prefetch_oldest(&mut w, 4).unwrap();
+        }
+        let (mut k, mut v) = (vec![f16::ZERO; 2 * 4 * 24], vec![f16::ZERO; 2 * 4 * 24]);
+        b.evict_oldest(&mut w, 4, &mut k, &mut v).unwrap();
+        assert_eq!(w.prefetched_evictions(), u64::from(prefetch));
+        evicted.push((k.clone(), v.clone()));
+        // Prefetched 4, evicted 2 then 4: neither eviction matches it.
+        b.prefetch_oldest(&mut w, 4).unwrap();
+        let (mut k2, mut v2) = (vec![f16::ZERO; 2 * 2 * 24], vec![f16::ZERO; 2 * 2 * 24]);
+        b.evict_oldest(&mut w, 2, &mut k2, &mut v2).unwrap();
+        b.evict_oldest(&mut w, 4, &mut k, &mut v).unwrap();
+        assert_eq!(w.prefetched_evictions(), u64::from(prefetch));
+        assert!(matches!(
+            b.prefetch_oldest(&mut w, 7),
+            Err(Error::Capacity { .. })
+        ));
+    }
+    assert_eq!(evicted[0], evicted[1]);
+    assert!(evicted[0].0.iter().all(|x| x.to_f32().is_finite()));
+}

@@ -770,10 +770,21 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
     }
 
     /// Step 1 of a decode: submits the dense side (it runs while the CPU
-    /// side does).
-    pub(crate) fn submit<S>(&self, l: &Shared<D, S>, q: &[f32]) -> Result<Submitted<D::Pending>> {
+    /// side does). When the window is full, the next token will evict its
+    /// oldest block: the read-back of that block is started too, so that on
+    /// a GPU it runs beside this step's CPU side instead of stalling the
+    /// next step ([`hgca_kernels::WindowBackend::prefetch_oldest`]).
+    pub(crate) fn submit<S>(
+        &mut self,
+        l: &Shared<D, S>,
+        q: &[f32],
+    ) -> Result<Submitted<D::Pending>> {
         let t0 = Instant::now();
         let pending = l.dense.submit_decode(&self.window, q, true)?;
+        if self.window.free() == 0 {
+            let n = l.cfg.block.min(self.window.len());
+            l.dense.prefetch_oldest(&mut self.window, n)?;
+        }
         Ok(Submitted {
             pending,
             t0,

@@ -161,6 +161,28 @@ pub trait WindowBackend {
         k_out: &mut [T],
         v_out: &mut [T],
     ) -> Result<()>;
+
+    /// Starts reading back the `n` oldest tokens, so that the next
+    /// [`WindowBackend::evict_oldest`] of the same `n` tokens finds them
+    /// already copied out: on a GPU the copy then runs beside other work
+    /// (the CPU side of a decode step) instead of stalling the eviction.
+    /// Changes nothing the window holds, and reads nothing back yet; appends
+    /// in between are fine, another eviction first discards it. The
+    /// default does nothing (an eviction is a host copy anyway).
+    ///
+    /// # Errors
+    /// [`Error::Capacity`] when the window holds fewer than `n` tokens;
+    /// backend errors.
+    fn prefetch_oldest(&self, window: &mut Self::Window, n: usize) -> Result<()> {
+        if n > window.len() {
+            return Err(Error::Capacity {
+                what: "window tokens to prefetch",
+                capacity: window.len(),
+                requested: n,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Dense attention over a window, with a submit/wait split.
@@ -289,6 +311,9 @@ macro_rules! forward_backend {
                 v_out: &mut [T],
             ) -> Result<()> {
                 (**self).evict_oldest(window, n, k_out, v_out)
+            }
+            fn prefetch_oldest(&self, window: &mut Self::Window, n: usize) -> Result<()> {
+                (**self).prefetch_oldest(window, n)
             }
         }
 

@@ -167,7 +167,8 @@ pub fn token_major(
 
 /// Drives a window through `tokens` appends in chunks of `chunk`, evicting
 /// `evict` tokens whenever the next chunk does not fit (checking that the
-/// evicted rows are exactly the oldest ones), then checks decode attention
+/// evicted rows are exactly the oldest ones, with and without prefetches of
+/// them), then checks decode attention
 /// (and its weights) over what the window holds, and causal append
 /// attention of the last `min(len, 5)` tokens' queries.
 ///
@@ -209,7 +210,7 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
     let (hk, d) = (shape.kv_heads(), shape.head_dim());
     let spec = WindowSpec::new(shape, capacity, T::DTYPE).map_err(|e| e.to_string())?;
     let mut w = b.new_window(spec).map_err(|e| e.to_string())?;
-    let (mut start, mut written) = (0usize, 0usize);
+    let (mut start, mut written, mut appends) = (0usize, 0usize, 0usize);
     let (chunk, evict) = (chunk.clamp(1, capacity), evict.clamp(1, capacity));
     while written < tokens {
         let n = chunk.min(tokens - written);
@@ -236,6 +237,24 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
         let v = token_major(&p.v32, hk, tokens, d, written, n);
         b.append(&mut w, n, &k, &v).map_err(|e| e.to_string())?;
         written += n;
+        appends += 1;
+        // Prefetches of the oldest rows: of the count the next eviction
+        // takes, of another count (an eviction must then ignore it), or
+        // none; appends may follow before the eviction.
+        let e = evict.min(w.len());
+        let ahead = match appends % 3 {
+            0 => e,
+            1 => e - 1,
+            _ => 0,
+        };
+        if ahead > 0 {
+            b.prefetch_oldest(&mut w, ahead)
+                .map_err(|e| format!("prefetch {ahead}: {e}"))?;
+        }
+    }
+    let more = w.len() + 1;
+    if b.prefetch_oldest(&mut w, more).is_ok() {
+        return Err("a prefetch of more tokens than held was accepted".into());
     }
     if w.len() != written - start || w.start_pos() != start as u64 {
         return Err(format!(

@@ -376,19 +376,49 @@ impl WgpuBackend {
         b
     }
 
-    /// Maps `bufs` for reading once `index` has completed and waits for it.
-    fn map_now(&self, index: wgpu::SubmissionIndex, bufs: &[(&wgpu::Buffer, u64)]) -> Result<()> {
-        let (tx, rx) = mpsc::channel();
-        for &(b, bytes) in bufs {
-            let tx = tx.clone();
-            b.slice(..bytes).map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send(r);
-            });
-        }
-        // Only the callbacks hold senders now: a callback dropped without
-        // being called shows as a disconnect, not as the full deadline.
-        drop(tx);
-        self.await_map(index, &rx, bufs.len())
+    /// Submits the copy of the `n` oldest rows of `w` (K, then V, head-major
+    /// `[kv_heads, n]` rows) into two staging buffers, and starts mapping them.
+    fn copy_oldest(&self, w: &WgpuWindow, n: usize) -> Result<Staged> {
+        let (hk, cap) = (w.spec.shape.kv_heads(), w.spec.capacity);
+        let row_bytes = w.rw * 4;
+        let bytes = (hk * n * row_bytes) as u64;
+        let runs = w.runs(w.head, n);
+        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        self.scoped(|| {
+            let ks = self.take(usage, bytes);
+            let vs = self.take(usage, bytes);
+            let mut enc = self
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("hgca evict"),
+                });
+            for (src, dst) in [(&w.k, &ks), (&w.v, &vs)] {
+                for h in 0..hk {
+                    for &(slot, i0, cnt) in &runs {
+                        if cnt > 0 {
+                            enc.copy_buffer_to_buffer(
+                                src,
+                                ((h * cap + slot) * row_bytes) as u64,
+                                dst,
+                                ((h * n + i0) * row_bytes) as u64,
+                                (cnt * row_bytes) as u64,
+                            );
+                        }
+                    }
+                }
+            }
+            let index = self.queue.submit([enc.finish()]);
+            let rx = start_map(&[(&ks, bytes), (&vs, bytes)]);
+            Staged {
+                head: w.head,
+                n,
+                bytes,
+                ks,
+                vs,
+                index,
+                rx,
+            }
+        })
     }
 
     /// Waits for submission `index`, then for `count` map callbacks on `rx`.
@@ -570,12 +600,7 @@ impl WgpuBackend {
                 enc.copy_buffer_to_buffer(&wbuf, 0, &staging, res_bytes, w_bytes);
             }
             let index = self.queue.submit([enc.finish()]);
-            let (tx, rx) = mpsc::channel();
-            staging
-                .slice(..res_bytes + w_bytes)
-                .map_async(wgpu::MapMode::Read, move |r| {
-                    let _ = tx.send(r);
-                });
+            let rx = start_map(&[(&staging, res_bytes + w_bytes)]);
             InFlight {
                 index,
                 staging,
@@ -641,12 +666,7 @@ impl WgpuBackend {
             }
             enc.copy_buffer_to_buffer(&res, 0, &staging, 0, res_bytes);
             let index = self.queue.submit([enc.finish()]);
-            let (tx, rx) = mpsc::channel();
-            staging
-                .slice(..res_bytes)
-                .map_async(wgpu::MapMode::Read, move |r| {
-                    let _ = tx.send(r);
-                });
+            let rx = start_map(&[(&staging, res_bytes)]);
             InFlight {
                 index,
                 staging,
@@ -757,6 +777,11 @@ pub struct WgpuWindow {
     len: usize,
     start_pos: u64,
     scratch: Vec<u8>,
+    /// A prefetch of the oldest rows, if one was started (in a mutex only
+    /// to keep the window `Sync`: it is reached through `&mut` alone).
+    staged: Mutex<Option<Staged>>,
+    /// Evictions that found their rows prefetched.
+    prefetched: u64,
 }
 
 impl fmt::Debug for WgpuWindow {
@@ -783,11 +808,52 @@ impl KvWindow for WgpuWindow {
 }
 
 impl WgpuWindow {
+    /// Evictions so far that found their rows already copied out by
+    /// [`WindowBackend::prefetch_oldest`].
+    pub fn prefetched_evictions(&self) -> u64 {
+        self.prefetched
+    }
+
+    fn staged_mut(&mut self) -> &mut Option<Staged> {
+        self.staged.get_mut().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Ring runs `(slot, offset in the block, count)` of `n` tokens from `slot`.
     fn runs(&self, slot: usize, n: usize) -> [(usize, usize, usize); 2] {
         let first = n.min(self.spec.capacity - slot);
         [(slot, 0, first), (0, first, n - first)]
     }
+}
+
+/// Starts mapping `bufs` for reading; each callback sends its result.
+fn start_map(bufs: &[(&wgpu::Buffer, u64)]) -> mpsc::Receiver<MapResult> {
+    let (tx, rx) = mpsc::channel();
+    for &(b, bytes) in bufs {
+        let tx = tx.clone();
+        b.slice(..bytes).map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+    }
+    // Only the callbacks hold senders now: a callback dropped without
+    // being called shows as a disconnect, not as the full deadline.
+    drop(tx);
+    rx
+}
+
+type MapResult = std::result::Result<(), wgpu::BufferAsyncError>;
+
+/// The oldest rows of a window copied into staging buffers (by an eviction,
+/// or ahead of it by [`WindowBackend::prefetch_oldest`], then being mapped).
+struct Staged {
+    /// The window's ring head and token count the copy was made for.
+    head: usize,
+    n: usize,
+    bytes: u64,
+    ks: wgpu::Buffer,
+    vs: wgpu::Buffer,
+    index: wgpu::SubmissionIndex,
+    /// The map callbacks' results.
+    rx: mpsc::Receiver<MapResult>,
 }
 
 /// Work submitted by [`WgpuBackend`] and not yet waited for.
@@ -803,7 +869,7 @@ struct InFlight {
     staging: wgpu::Buffer,
     res_bytes: u64,
     w_bytes: u64,
-    rx: mpsc::Receiver<Result<(), wgpu::BufferAsyncError>>,
+    rx: mpsc::Receiver<MapResult>,
     keep: Vec<wgpu::Buffer>,
 }
 
@@ -868,6 +934,8 @@ impl WindowBackend for WgpuBackend {
             len: 0,
             start_pos: 0,
             scratch: Vec::new(),
+            staged: Mutex::new(None),
+            prefetched: 0,
         })
     }
 
@@ -910,42 +978,25 @@ impl WindowBackend for WgpuBackend {
     ) -> Result<()> {
         self.own("wgpu window", w.owner)?;
         w.spec.check_evict(BACKEND, w.len, n, k_out, v_out)?;
-        let (hk, d) = (w.spec.shape.kv_heads(), w.spec.shape.head_dim());
+        let d = w.spec.shape.head_dim();
         if n == 0 {
             return Ok(());
         }
-        let cap = w.spec.capacity;
-        let row_bytes = w.rw * 4;
-        let bytes = (hk * n * row_bytes) as u64;
-        let runs = w.runs(w.head, n);
-        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-        let (ks, vs, index) = self.scoped(|| {
-            let ks = self.take(usage, bytes);
-            let vs = self.take(usage, bytes);
-            let mut enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("hgca evict"),
-                });
-            for (src, dst) in [(&w.k, &ks), (&w.v, &vs)] {
-                for h in 0..hk {
-                    for &(slot, i0, cnt) in &runs {
-                        if cnt > 0 {
-                            enc.copy_buffer_to_buffer(
-                                src,
-                                ((h * cap + slot) * row_bytes) as u64,
-                                dst,
-                                ((h * n + i0) * row_bytes) as u64,
-                                (cnt * row_bytes) as u64,
-                            );
-                        }
-                    }
-                }
-            }
-            let index = self.queue.submit([enc.finish()]);
-            (ks, vs, index)
-        })?;
-        self.map_now(index, &[(&ks, bytes), (&vs, bytes)])?;
+        let (cap, row_bytes) = (w.spec.capacity, w.rw * 4);
+        // A prefetch of exactly these rows is used; any other is dropped.
+        let head = w.head;
+        let staged = w
+            .staged_mut()
+            .take()
+            .filter(|st| st.head == head && st.n == n);
+        let prefetched = staged.is_some();
+        let st = match staged {
+            Some(st) => st,
+            None => self.copy_oldest(w, n)?,
+        };
+        self.await_map(st.index.clone(), &st.rx, 2)?;
+        w.prefetched += u64::from(prefetched);
+        let Staged { ks, vs, bytes, .. } = st;
         let esz = size_of::<T>();
         for (stage, out) in [(&ks, k_out), (&vs, v_out)] {
             {
@@ -972,6 +1023,29 @@ impl WindowBackend for WgpuBackend {
         w.head = (w.head + n) % cap;
         w.len -= n;
         w.start_pos += n as u64;
+        Ok(())
+    }
+
+    fn prefetch_oldest(&self, w: &mut WgpuWindow, n: usize) -> Result<()> {
+        self.own("wgpu window", w.owner)?;
+        if n > w.len {
+            return Err(Error::Capacity {
+                what: "window tokens to prefetch",
+                capacity: w.len,
+                requested: n,
+            });
+        }
+        let head = w.head;
+        if n == 0
+            || w.staged_mut()
+                .as_ref()
+                .is_some_and(|st| st.head == head && st.n == n)
+        {
+            return Ok(());
+        }
+        *w.staged_mut() = None;
+        let st = self.copy_oldest(w, n)?;
+        *w.staged_mut() = Some(st);
         Ok(())
     }
 }
