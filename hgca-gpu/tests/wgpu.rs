@@ -568,7 +568,7 @@ fn hybrid_batch_case<T: KvElem>(gpu: &WgpuBackend) {
         panic!("{}: prompt's last query: {e}", T::DTYPE);
     }
     let mut partial = 0;
-    for step in 0..24 {
+    for step in 0..40 {
         let (q, k, v) = (rows(2, ql), rows(2, kl), rows(2, kl));
         let mut out = vec![f32::NAN; 2 * ql];
         batch.decode(&ids, &q, &k, &v, &mut out).unwrap();
@@ -588,7 +588,15 @@ fn hybrid_batch_case<T: KvElem>(gpu: &WgpuBackend) {
         "{}: no step attended a partial selection",
         T::DTYPE
     );
-    assert_eq!(batch.len(ids[1]).unwrap(), 24);
+    assert_eq!(batch.len(ids[1]).unwrap(), 40);
+    // The decode steps that filled the window started the read-back of the
+    // next eviction's block, and the eviction used it.
+    let w = batch.window(ids[0]).unwrap();
+    assert!(
+        w.prefetched_evictions() >= 2,
+        "{} prefetched evictions",
+        w.prefetched_evictions()
+    );
 }
 
 /// An eviction uses the rows a prefetch copied out (the window counts it)

@@ -145,9 +145,10 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     }
 
     /// Stats of a sequence's last decode step or prompt chunk. In a batched
-    /// [`HybridBatch::decode`], its `total` runs from the sequence's submit
-    /// to the end of its merge, and so includes the other sequences' CPU
-    /// sides; [`HybridBatch::last_step`] is the whole batch's time.
+    /// [`HybridBatch::decode`], its `total` runs from the start of the
+    /// batch's step to the end of this sequence's merge, and so includes
+    /// the other sequences' appends and CPU sides; [`HybridBatch::last_step`]
+    /// is the whole batch's time.
     ///
     /// # Errors
     /// [`Error::Index`] for an id that is not in the batch.
@@ -170,6 +171,15 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     /// [`Error::Index`] for an id that is not in the batch.
     pub fn last_selection(&self, id: SeqId) -> Result<&Selection> {
         Ok(self.seqs[self.position(id)?].1.selection())
+    }
+
+    /// A sequence's window on the dense side, as
+    /// [`crate::HybridAttention::window`].
+    ///
+    /// # Errors
+    /// [`Error::Index`] for an id that is not in the batch.
+    pub fn window(&self, id: SeqId) -> Result<&D::Window> {
+        Ok(self.seqs[self.position(id)?].1.window())
     }
 
     /// Wall time of the last [`HybridBatch::decode`].
@@ -228,7 +238,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     /// then the CPU sides run one sequence after another (each on the CPU
     /// backend's threads), then each sequence waits for its dense result,
     /// merges and updates its MAW. Each sequence's output is the same, bit
-    /// for bit, as its own [`crate::HybridAttention`] would give.
+    /// for bit, as its own [`crate::HybridAttention`] on the same backends
+    /// (and the same [`HybridBatch::with_cpu`] backend) would give.
     ///
     /// # Errors
     /// [`Error::Index`] for an id not in the batch or given twice,
@@ -271,7 +282,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
         }
         let mut subs = Vec::with_capacity(b);
         for (i, &p) in at.iter().enumerate() {
-            subs.push(self.seqs[p].1.submit(l, &q[i * ql..(i + 1) * ql])?);
+            subs.push(self.seqs[p].1.submit(l, &q[i * ql..(i + 1) * ql], t0)?);
         }
         let mut cpus = Vec::with_capacity(b);
         for (i, &p) in at.iter().enumerate() {

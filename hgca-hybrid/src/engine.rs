@@ -52,7 +52,8 @@ pub struct HybridConfig {
     /// Queries a prompt chunk re-evaluates the MAW with: the MAW of every
     /// entry becomes its mean weight over the chunk's last `refresh_queries`
     /// queries (each over every token held, so those before the last also
-    /// see the chunk's last few tokens). 1 is the chunk's last query alone.
+    /// see the chunk's last few tokens). 1 is the chunk's last query alone;
+    /// a chunk shorter than `refresh_queries` uses all its queries.
     pub refresh_queries: usize,
     /// KV storage type on both sides.
     pub dtype: DType,
@@ -474,6 +475,12 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
         Ok(t.elapsed())
     }
 
+    /// The dense side's window (its length and first position, and what
+    /// its backend reports of it).
+    pub fn window(&self) -> &D::Window {
+        self.seq.window()
+    }
+
     /// Tokens in the CPU store (sequence positions `0..cpu_tokens`); the
     /// window holds the positions after them.
     pub fn cpu_tokens(&self) -> usize {
@@ -486,8 +493,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
 
     /// Appends `n` tokens (token-major K and V, `[n, kv_heads, d]`) without
     /// attending: they enter the window, the oldest blocks moving to the CPU
-    /// store when it is full. Each new token's MAW starts at `1 / n_gpu`
-    /// (the window's length after it), as a decode step's does. With
+    /// store when it is full. The tokens go in pieces that fit the window;
+    /// each token's MAW starts at `1 / n_gpu`, the window's length after its
+    /// piece (for one token, after it, as a decode step's does). With
     /// [`Self::attend`] after it, `append(k, v, 1)` is a decode step
     /// ([`SequenceAttention::forward`] with `n = 1`), bit for bit.
     ///
@@ -501,7 +509,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// Decode attention of one query (`q`: `[q_heads, d]`) over every token
     /// held: dense over the window, sparse over the selected CPU entries,
     /// merged exactly, MAW updated. Writes `out` (`[q_heads, d]`); before
-    /// the first token, the empty attention (zeros).
+    /// the first token, the empty attention (zeros), and nothing changes.
+    /// Each call is a decode step: attending twice without an append decays
+    /// the MAW twice and advances the [`Recovery::Rescore`] schedule.
     ///
     /// # Errors
     /// [`Error::Length`] for lengths that do not fit (checked first);
@@ -617,6 +627,10 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         &self.sel
     }
 
+    pub(crate) fn window(&self) -> &D::Window {
+        &self.window
+    }
+
     fn maw_snapshot<S>(&self, l: &Shared<D, S>) -> Vec<Vec<f32>> {
         let cap = l.cfg.window;
         (0..l.shape.kv_heads())
@@ -645,8 +659,9 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         match n {
             0 => Ok(()),
             1 => {
+                let t0 = Instant::now();
                 self.append(l, k, v, 1)?;
-                self.attend(l, q, out)
+                self.attend_since(l, q, out, t0)
             }
             _ => self.prefill(l, q, k, v, n, out),
         }
@@ -764,13 +779,30 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         q: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
-        let sub = self.submit(l, q)?;
+        self.attend_since(l, q, out, Instant::now())
+    }
+
+    /// [`Seq::attend`] as part of a step that began at `t0` (its
+    /// [`StepStats::total`] counts from there). Before the first token: the
+    /// empty attention, and nothing else changes.
+    pub(crate) fn attend_since<S: SparseAttention>(
+        &mut self,
+        l: &Shared<D, S>,
+        q: &[f32],
+        out: &mut [f32],
+        t0: Instant,
+    ) -> Result<()> {
+        if self.len() == 0 {
+            out.fill(0.0);
+            return Ok(());
+        }
+        let sub = self.submit(l, q, t0)?;
         let cpu = self.cpu_side(l, q)?;
         self.finish(l, sub, cpu, out)
     }
 
-    /// Step 1 of a decode: submits the dense side (it runs while the CPU
-    /// side does). When the window is full, the next token will evict its
+    /// Step 1 of a decode (of a step that began at `t0`): submits the dense
+    /// side (it runs while the CPU side does). When the window is full, the next token will evict its
     /// oldest block: the read-back of that block is started too, so that on
     /// a GPU it runs beside this step's CPU side instead of stalling the
     /// next step ([`hgca_kernels::WindowBackend::prefetch_oldest`]).
@@ -778,17 +810,21 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         &mut self,
         l: &Shared<D, S>,
         q: &[f32],
+        t0: Instant,
     ) -> Result<Submitted<D::Pending>> {
-        let t0 = Instant::now();
+        let ts = Instant::now();
         let pending = l.dense.submit_decode(&self.window, q, true)?;
+        let submit = ts.elapsed();
         if self.window.free() == 0 {
             let n = l.cfg.block.min(self.window.len());
-            l.dense.prefetch_oldest(&mut self.window, n)?;
+            // Only a head start: if it fails, the eviction copies the rows
+            // itself (and meets the error then, if it lasts).
+            let _ = l.dense.prefetch_oldest(&mut self.window, n);
         }
         Ok(Submitted {
             pending,
             t0,
-            submit: t0.elapsed(),
+            submit,
         })
     }
 
@@ -1065,7 +1101,6 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         let s = l.shape;
         let layout = PartialLayout::decode(&s);
         let m = qs.len() / s.q_len();
-        self.sel = Selection::all(s.kv_heads(), self.store.tokens());
         let mut cpu_w = vec![0.0; s.q_heads() * self.store.tokens()];
         let mut gpu_w = vec![0.0; s.q_heads() * self.window.len()];
         for (i, q) in qs.chunks_exact(s.q_len()).enumerate() {
@@ -1080,6 +1115,9 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
             merge_into(merged.as_mut(), cpu_part.as_ref())?;
             if i + 1 == m {
                 self.last_lse.copy_from_slice(merged.lse());
+            }
+            if i == 0 {
+                self.sel = Selection::all(s.kv_heads(), self.store.tokens());
             }
             self.update_maw(
                 l,
