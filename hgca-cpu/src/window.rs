@@ -78,6 +78,10 @@ struct Ring<'a, T> {
 impl<T: KvElem> Ring<'_, T> {
     #[inline(always)]
     fn offset(&self, h: usize, j: usize) -> usize {
+        debug_assert!(
+            h < self.kv_heads && j < self.len,
+            "row ({h}, {j}) out of range"
+        );
         let s = self.head + j;
         let s = if s >= self.cap { s - self.cap } else { s };
         (h * self.cap + s) * self.d

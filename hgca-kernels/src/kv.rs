@@ -11,9 +11,15 @@ pub trait KvSource<T: KvElem>: Sync {
     fn head_dim(&self) -> usize;
     /// Tokens held.
     fn tokens(&self) -> usize;
-    /// Key row of token `j` of KV head `h` (`h < kv_heads`, `j < tokens`).
+    /// Key row of token `j` of KV head `h`.
+    ///
+    /// This is the kernels' hot path, called after their boundary checks:
+    /// `h < kv_heads` and `j < tokens` are the caller's to keep. Past them
+    /// an implementation may panic or return another row (a debug build
+    /// asserts them).
     fn k_row(&self, h: usize, j: usize) -> &[T];
-    /// Value row of token `j` of KV head `h`.
+    /// Value row of token `j` of KV head `h`, under the same terms as
+    /// [`KvSource::k_row`].
     fn v_row(&self, h: usize, j: usize) -> &[T];
     /// Checks that this source matches `shape`.
     ///
@@ -108,11 +114,19 @@ impl<T: KvElem> KvSource<T> for KvSlices<'_, T> {
     }
     #[inline(always)]
     fn k_row(&self, h: usize, j: usize) -> &[T] {
+        debug_assert!(
+            h < self.kv_heads && j < self.tokens,
+            "row ({h}, {j}) out of range"
+        );
         let o = (h * self.tokens + j) * self.head_dim;
         &self.k[o..o + self.head_dim]
     }
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
+        debug_assert!(
+            h < self.kv_heads && j < self.tokens,
+            "row ({h}, {j}) out of range"
+        );
         let o = (h * self.tokens + j) * self.head_dim;
         &self.v[o..o + self.head_dim]
     }
@@ -326,11 +340,19 @@ impl<T: KvElem> KvSource<T> for KvStore<T> {
     }
     #[inline(always)]
     fn k_row(&self, h: usize, j: usize) -> &[T] {
+        debug_assert!(
+            h < self.kv_heads && j < self.tokens,
+            "row ({h}, {j}) out of range"
+        );
         let (c, o) = self.locate(h, j);
         &self.k[c][o..o + self.head_dim]
     }
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
+        debug_assert!(
+            h < self.kv_heads && j < self.tokens,
+            "row ({h}, {j}) out of range"
+        );
         let (c, o) = self.locate(h, j);
         &self.v[c][o..o + self.head_dim]
     }
