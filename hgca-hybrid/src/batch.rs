@@ -225,9 +225,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     /// [`crate::HybridAttention::attend`].
     pub fn attend(&mut self, id: SeqId, q: &[f32], out: &mut [f32]) -> Result<()> {
         let at = self.position(id)?;
-        let seq = &mut self.seqs[at].1;
-        seq.check_attend(&self.l, q, out)?;
-        seq.attend(&self.l, q, out)
+        self.seqs[at].1.attend(&self.l, q, out)
     }
 
     /// One decode step of each sequence in `ids` (distinct): row `i` of `q`

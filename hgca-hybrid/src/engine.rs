@@ -517,7 +517,6 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// [`Error::Length`] for lengths that do not fit (checked first);
     /// backend errors.
     pub fn attend(&mut self, q: &[f32], out: &mut [f32]) -> Result<()> {
-        self.seq.check_attend(&self.l, q, out)?;
         self.seq.attend(&self.l, q, out)
     }
 
@@ -667,12 +666,6 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         }
     }
 
-    /// The boundary check of a decode query and its output.
-    pub(crate) fn check_attend<S>(&self, l: &Shared<D, S>, q: &[f32], out: &[f32]) -> Result<()> {
-        check_len("q", l.shape.q_len(), q.len())?;
-        check_len("out", l.shape.q_len(), out.len())
-    }
-
     /// Evicts one block (or what the window holds, if less) to the CPU store.
     fn evict_block<S>(&mut self, l: &Shared<D, S>) -> Result<()> {
         let n = l.cfg.block.min(self.window.len());
@@ -771,14 +764,16 @@ impl<D: DenseAttention, T: KvElem> Seq<D, T> {
         Ok(())
     }
 
-    /// Decode attention of one query over every token held (lengths checked
-    /// by the caller): submit, CPU side, wait and merge.
+    /// Decode attention of one query over every token held, lengths
+    /// checked first: submit, CPU side, wait and merge.
     pub(crate) fn attend<S: SparseAttention>(
         &mut self,
         l: &Shared<D, S>,
         q: &[f32],
         out: &mut [f32],
     ) -> Result<()> {
+        check_len("q", l.shape.q_len(), q.len())?;
+        check_len("out", l.shape.q_len(), out.len())?;
         self.attend_since(l, q, out, Instant::now())
     }
 
