@@ -32,6 +32,10 @@ struct Cfg {
     tokens: usize,
     frac: f64,
     threads: usize,
+    /// Tokens per selected run: 1 selects single tokens at random; 64
+    /// selects whole random 64-token blocks, the pattern the hybrid
+    /// layer's block bounds produce.
+    run: usize,
 }
 
 impl Cfg {
@@ -41,8 +45,13 @@ impl Cfg {
         } else {
             self.isa.name()
         };
+        let run = if self.run > 1 {
+            format!("-b{}", self.run)
+        } else {
+            String::new()
+        };
         format!(
-            "{}/{}/{}/q{}-kv{}-d{}-n{}k-sel{}-t{}",
+            "{}/{}/{}/q{}-kv{}-d{}-n{}k-sel{}{run}-t{}",
             self.kernel,
             isa,
             self.dtype,
@@ -102,7 +111,10 @@ fn data<T: KvElem>(c: &Cfg) -> Data<T> {
                 if m == c.tokens {
                     sel.push_head(0..c.tokens as u32);
                 } else {
-                    sel.push_head(sample(c.tokens, m, 1000 + (r * c.kv_heads + g) as u64));
+                    let seed = 1000 + (r * c.kv_heads + g) as u64;
+                    let blocks = sample(c.tokens / c.run, m / c.run, seed);
+                    let run = c.run as u32;
+                    sel.push_head(blocks.into_iter().flat_map(|b| b * run..(b + 1) * run));
                 }
             }
             sel
@@ -234,6 +246,7 @@ fn configs() -> Vec<Cfg> {
         tokens: 256 << 10,
         frac: 0.10,
         threads: 2,
+        run: 1,
     };
     let mut v = Vec::new();
     // The targets: KV of 1 GiB (DRAM) and 64 MiB (in the last-level cache), 1 and 2 threads.
@@ -254,6 +267,15 @@ fn configs() -> Vec<Cfg> {
         v.push(Cfg {
             tokens,
             kernel: "candle-sparse",
+            ..base
+        });
+    }
+    // Whole 64-token blocks (what the hybrid layer selects with block
+    // bounds) from DRAM: rows the hardware prefetchers can stream.
+    for threads in [1, 2] {
+        v.push(Cfg {
+            threads,
+            run: 64,
             ..base
         });
     }

@@ -1,7 +1,9 @@
 //! Developer tool: ns per token of the CPU decode kernel at several cache
-//! levels, one thread, to tell compute limits from memory limits.
+//! levels, one thread by default, to tell compute limits from memory limits.
 //!
-//! `cargo run --release -p hgca-cpu --example kernel_speed [isa]`
+//! `cargo run --release -p hgca-cpu --example kernel_speed [isa] [max_tokens] [threads]`
+//! (with `threads`, ns per row are wall time: divide the row rate by the
+//! threads for each one's share).
 
 use std::time::Instant;
 
@@ -16,7 +18,11 @@ fn main() -> Result<(), hgca_kernels::Error> {
         Some("scalar") => IsaKind::Scalar,
         _ => hgca_cpu::Isa::detect().kind(),
     };
-    let b = CpuBackend::new().with_isa(kind)?.with_par(Par::Seq)?;
+    let par = match std::env::args().nth(3).and_then(|s| s.parse().ok()) {
+        Some(t) if t > 1 => Par::Rayon(t),
+        _ => Par::Seq,
+    };
+    let b = CpuBackend::new().with_isa(kind)?.with_par(par)?;
     let shape = AttnShape::new(32, 8, 128)?;
     let max: usize = std::env::args()
         .nth(2)

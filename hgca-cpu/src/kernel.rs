@@ -4,11 +4,14 @@
 //! One call attends `heads <= MAX_HEADS` query heads of one GQA group to a
 //! stream of tokens of their KV head, in blocks of [`BLOCK`] tokens:
 //!
-//! 1. prefetch every K and V cache line of the *next* block, spread over
-//!    the score loop of this one (many rows in flight, not one; a burst of
-//!    all 256 prefetches at the block's start stalls the core once the
-//!    line-fill buffers are full: dense f16 over 1 GiB ran at ~70 ns per
-//!    row with the burst, ~56 with the spread, one thread);
+//! 1. prefetch every K and V cache line of the *next* block, spread evenly
+//!    over the whole block's work: the score loop fetches the next block's
+//!    K rows, each pass of the value loop the next block's V lines of its
+//!    own columns (many rows in flight, not one; a burst of all 256
+//!    prefetches at the block's start stalls the core once the line-fill
+//!    buffers are full: dense f16 over 1 GiB ran at ~70 ns per row with the
+//!    burst, ~56 with the score loop issuing them all, and less again with
+//!    the value loop taking its share);
 //! 2. scores of the block for all heads: each K row is loaded and widened
 //!    once and used by every head of the group;
 //! 3. online softmax: the running max moves, accumulators are rescaled, the
@@ -117,13 +120,30 @@ pub(crate) struct ScoreOut<'a> {
 /// Hints the cache to fetch every line of `row`.
 #[inline(always)]
 pub(crate) fn prefetch_row<S: Kern, T>(s: S, row: &[T]) {
-    let bytes = core::mem::size_of_val(row);
+    prefetch_cols(s, row, 0, row.len());
+}
+
+/// Hints the cache to fetch every line that holds a byte of `row[a..b]`
+/// (indices past the row are clamped to it).
+#[inline(always)]
+fn prefetch_cols<S: Kern, T>(s: S, row: &[T], a: usize, b: usize) {
+    let size = core::mem::size_of::<T>();
+    let (a, b) = (a.min(row.len()) * size, b.min(row.len()) * size);
     let p = row.as_ptr().cast::<u8>();
-    let mut off = 0;
-    while off < bytes {
-        s.prefetch(p.wrapping_add(off));
-        off += 64;
+    for off in line_starts(p as usize, a, b) {
+        s.prefetch(p.wrapping_offset(off));
     }
+}
+
+/// Offsets from `addr` of the 64-byte lines that hold bytes `addr + a ..
+/// addr + b`: from the line holding byte `a` (which may start before
+/// `addr`) to the one holding byte `b - 1`.
+#[inline(always)]
+fn line_starts(addr: usize, a: usize, b: usize) -> impl Iterator<Item = isize> {
+    let lead = addr.wrapping_add(a) & 63;
+    let first = a as isize - lead as isize;
+    let end = if a < b { b as isize } else { first };
+    (first..end).step_by(64)
 }
 
 /// Attends `heads` query heads (`q`: `[heads, d]`, already multiplied by
@@ -170,10 +190,10 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
         while h0 < heads {
             let q = &q[h0 * d..];
             let sc = &mut sc[h0..];
-            let pf: [&[&[T]]; 2] = if h0 == 0 {
-                [&krows[1 - c][..n_next], &vrows[1 - c][..n_next]]
+            let pf: &[&[T]] = if h0 == 0 {
+                &krows[1 - c][..n_next]
             } else {
-                [&[], &[]]
+                &[]
             };
             match heads - h0 {
                 1 => scores_block::<S, T, 1>(s, kr, n, q, d, sc, pf),
@@ -229,11 +249,16 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
         while h0 < heads {
             let o = &mut o[h0 * d..];
             let p = &sc[h0..];
+            let pf: &[&[T]] = if h0 == 0 {
+                &vrows[1 - c][..n_next]
+            } else {
+                &[]
+            };
             match heads - h0 {
-                1 => values_block::<S, T, 1>(s, vr, n, p, d, o),
-                2 => values_block::<S, T, 2>(s, vr, n, p, d, o),
-                3 => values_block::<S, T, 3>(s, vr, n, p, d, o),
-                _ => values_block::<S, T, 4>(s, vr, n, p, d, o),
+                1 => values_block::<S, T, 1>(s, vr, n, p, d, o, pf),
+                2 => values_block::<S, T, 2>(s, vr, n, p, d, o, pf),
+                3 => values_block::<S, T, 3>(s, vr, n, p, d, o, pf),
+                _ => values_block::<S, T, 4>(s, vr, n, p, d, o, pf),
             }
             h0 += 4;
         }
@@ -257,8 +282,8 @@ fn scale_row<S: Simd>(s: S, o: &mut [f32], alpha: f32) {
 
 /// Scores of `n` tokens for `H` heads: `sc[h][j] = dot(q_h, k_j)`.
 /// Two tokens at a time: 2H independent FMA chains for the out-of-order core.
-/// The K and V rows of `pf` are prefetched along the way, an equal share
-/// per pair.
+/// The K rows of `pf` (the next block's) are prefetched along the way, an
+/// equal share per pair.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn scores_block<S: Kern, T: SimdElem, const H: usize>(
@@ -268,10 +293,9 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     q: &[f32],
     d: usize,
     sc: &mut [[f32; BLOCK]],
-    pf: [&[&[T]]; 2],
+    mut pf: &[&[T]],
 ) {
-    let [mut pf_k, mut pf_v] = pf;
-    let per = pf_k.len().div_ceil(n.div_ceil(2));
+    let per = pf.len().div_ceil(n.div_ceil(2));
     let lanes = S::F32_LANES;
     let nv = d / lanes;
     let full = nv * lanes;
@@ -286,13 +310,11 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
         let two = j + 1 < n;
         let k0 = &krows[j][..d];
         let k1 = &krows[if two { j + 1 } else { j }][..d];
-        for pf in [&mut pf_k, &mut pf_v] {
-            let (now, later) = pf.split_at(per.min(pf.len()));
-            for r in now {
-                prefetch_row(s, r);
-            }
-            *pf = later;
+        let (now, later) = pf.split_at(per.min(pf.len()));
+        for r in now {
+            prefetch_row(s, r);
         }
+        pf = later;
         let mut a0 = [s.splat_f32s(0.0); H];
         let mut a1 = [s.splat_f32s(0.0); H];
         for (i, (c0, c1)) in k0[..full]
@@ -343,8 +365,11 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
 
 /// `o_h += sum_j p[h][j] * v_j` for `H` heads: passes over `W` vectors of
 /// `d` (4, then 2, then 1), `W * H` independent FMA chains, so an FMA's
-/// latency is covered with room to spare; then the scalar tail.
+/// latency is covered with room to spare; then the scalar tail. Each pass
+/// prefetches the lines of its own columns in the V rows of `pf` (the next
+/// block's); the last pass also the lines of the scalar tail.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn values_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
     vrows: &[&[T]; BLOCK],
@@ -352,19 +377,25 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
     p: &[[f32; BLOCK]],
     d: usize,
     o: &mut [f32],
+    pf: &[&[T]],
 ) {
     let lanes = S::F32_LANES;
+    // Where the next pass starts: the pass ending the vector part takes
+    // the tail's columns into its prefetch range.
+    let pf_end = |c: usize| if c + lanes > d { d } else { c };
     let mut c = 0;
     while c + 4 * lanes <= d {
-        values_pass::<S, T, H, 4>(s, vrows, n, p, d, o, c);
+        let e = pf_end(c + 4 * lanes);
+        values_pass::<S, T, H, 4>(s, vrows, n, p, d, o, c, (pf, e));
         c += 4 * lanes;
     }
     if c + 2 * lanes <= d {
-        values_pass::<S, T, H, 2>(s, vrows, n, p, d, o, c);
+        let e = pf_end(c + 2 * lanes);
+        values_pass::<S, T, H, 2>(s, vrows, n, p, d, o, c, (pf, e));
         c += 2 * lanes;
     }
     if c + lanes <= d {
-        values_pass::<S, T, H, 1>(s, vrows, n, p, d, o, c);
+        values_pass::<S, T, H, 1>(s, vrows, n, p, d, o, c, (pf, d));
         c += lanes;
     }
     for t in c..d {
@@ -378,8 +409,11 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
     }
 }
 
-/// One pass of [`values_block`] over columns `c .. c + W * LANES`.
+/// One pass of [`values_block`] over columns `c .. c + W * LANES`,
+/// prefetching columns `c .. pf_end` of the rows `pf`, an equal share per
+/// token.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
     s: S,
     vrows: &[&[T]; BLOCK],
@@ -388,8 +422,10 @@ fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
     d: usize,
     o: &mut [f32],
     c: usize,
+    (mut pf, pf_end): (&[&[T]], usize),
 ) {
     let lanes = S::F32_LANES;
+    let per = pf.len().div_ceil(n.max(1));
     let p: &[[f32; BLOCK]; H] = p[..H].try_into().unwrap();
     let mut acc = [[s.splat_f32s(0.0); W]; H];
     for (h, a) in acc.iter_mut().enumerate() {
@@ -398,6 +434,11 @@ fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
         }
     }
     for (j, v) in vrows.iter().enumerate().take(n) {
+        let (now, later) = pf.split_at(per.min(pf.len()));
+        for r in now {
+            prefetch_cols(s, r, c, pf_end);
+        }
+        pf = later;
         let v = &v[c..c + W * lanes];
         let mut vv = [s.splat_f32s(0.0); W];
         for (w, x) in vv.iter_mut().enumerate() {
@@ -429,6 +470,33 @@ pub(crate) fn finish(o: &mut [f32], lse: &mut [f32], run: &[Run], d: usize) {
             let inv = 1.0 / r.l;
             row.iter_mut().for_each(|x| *x *= inv);
             lse[h] = r.m + r.l.ln();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::line_starts;
+
+    #[test]
+    fn prefetched_lines_cover_the_bytes_and_no_more() {
+        for addr in (0..192).step_by(4) {
+            for a in 0..200 {
+                for b in [a, a + 1, a + 63, a + 64, a + 65, a + 130, 300] {
+                    let lines: Vec<usize> = line_starts(addr, a, b)
+                        .map(|o| (addr as isize + o) as usize)
+                        .collect();
+                    assert!(lines.iter().all(|l| l % 64 == 0), "{addr} {a} {b}");
+                    let want: Vec<usize> = if a < b {
+                        ((addr + a) / 64..=(addr + b - 1) / 64)
+                            .map(|l| l * 64)
+                            .collect()
+                    } else {
+                        vec![]
+                    };
+                    assert_eq!(lines, want, "addr {addr}, bytes {a}..{b}");
+                }
+            }
         }
     }
 }
