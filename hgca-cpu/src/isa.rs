@@ -141,39 +141,63 @@ impl Isa {
 /// Runs `$body` with `$s` bound to the concrete SIMD token of `$isa`,
 /// inside that ISA's `vectorize` (so the target features are enabled and
 /// the `#[inline(always)]` kernels are compiled for them).
+///
+/// Each closure takes a [`Once`] by value, so it is `FnOnce` only. A
+/// closure that is also `Fn` reaches `vectorize` through the compiler's
+/// `FnOnce::call_once` shim, which is not always inlined: LLVM left the
+/// AVX2 block bounds (its body inlined into the shim) outside the
+/// target-feature function, every intrinsic became a call, and the bounds
+/// ran at ~4900 ns per block instead of ~110. `scripts/check-inlined.sh`
+/// checks the built binaries for such calls.
 macro_rules! dispatch {
-    ($isa:expr, $s:ident => $body:expr) => {
+    ($isa:expr, $s:ident => $body:expr) => {{
+        let once = $crate::isa::Once;
         match $isa {
             $crate::isa::Isa::Scalar => {
                 let $s = pulp::Scalar::new();
                 pulp::Simd::vectorize(
                     $s,
                     #[inline(always)]
-                    || $body,
+                    || {
+                        let _once = once;
+                        $body
+                    },
                 )
             }
             #[cfg(target_arch = "x86_64")]
             $crate::isa::Isa::V3($s) => pulp::Simd::vectorize(
                 $s,
                 #[inline(always)]
-                || $body,
+                || {
+                    let _once = once;
+                    $body
+                },
             ),
             #[cfg(target_arch = "x86_64")]
             $crate::isa::Isa::V4($s) => pulp::Simd::vectorize(
                 $s,
                 #[inline(always)]
-                || $body,
+                || {
+                    let _once = once;
+                    $body
+                },
             ),
             #[cfg(target_arch = "aarch64")]
             $crate::isa::Isa::Neon($s) => pulp::Simd::vectorize(
                 $s,
                 #[inline(always)]
-                || $body,
+                || {
+                    let _once = once;
+                    $body
+                },
             ),
         }
-    };
+    }};
 }
 pub(crate) use dispatch;
+
+/// A value [`dispatch`]'s closures consume, which makes them `FnOnce` only.
+pub(crate) struct Once;
 
 /// What the kernels need from an ISA beyond `pulp::Simd`.
 pub trait Kern: Simd {
