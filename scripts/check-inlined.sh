@@ -5,42 +5,55 @@
 # that way (see `dispatch!` in hgca-cpu/src/isa.rs), and no test fails.
 #
 #   scripts/check-inlined.sh            the test build's binaries of the CPU
-#                                       kernels and the hybrid layer
-#                                       (run after `cargo test`; no build)
+#                                       kernels and the hybrid layer (run
+#                                       after `cargo test --workspace
+#                                       --all-features`; nothing to rebuild)
 #   scripts/check-inlined.sh --release  builds hgca-cpu's examples in release
 #                                       (~3 min from clean) and checks them
 #
-# The test profile (opt-level 2) leaves a few intrinsic loads as calls even
-# inside `vectorize`, so there only calls from closures (the shape of the
+# The test profile (opt-level 2) leaves some intrinsics as calls inside
+# `vectorize` and in small generic helpers (`array::map`, iterator folds)
+# that release inlines, so there only calls from closures (the shape of the
 # failure: a `FnOnce::call_once` shim not inlined into `vectorize`) count;
 # in release, every call to an intrinsic does.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+command -v objdump >/dev/null || { echo "check-inlined: objdump not found (binutils)"; exit 1; }
 if [ "${1:-}" = "--release" ]; then
   cargo build --release -p hgca-cpu --examples
   bins=(target/release/examples/kernel_speed target/release/examples/select_speed)
   where='.'
 else
-  bins=()
-  for name in conformance hgca_cpu hybrid batch; do
-    b=$(ls -t target/debug/deps/"$name"-* 2>/dev/null | grep -v '\.d$' | head -n 1 || true)
-    [ -n "$b" ] && bins+=("$b")
-  done
-  [ ${#bins[@]} -gt 0 ] || { echo "check-inlined: no hgca-cpu test binary (run cargo test first)"; exit 1; }
+  # The exact test executables of the suite's build (`cargo test
+  # --workspace --all-features`; nothing is rebuilt after it), not whatever
+  # matching file is newest in target/.
+  mapfile -t bins < <(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null \
+    | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in ("conformance", "hgca_cpu", "hybrid", "batch"):
+        print(m["executable"])
+')
+  [ ${#bins[@]} -ge 4 ] || { echo "check-inlined: expected 4 test binaries of hgca-cpu and hgca-hybrid, found ${#bins[@]}"; exit 1; }
   where='FnOnce::call_once|\{\{closure\}\}'
 fi
 
-command -v objdump >/dev/null || { echo "check-inlined: objdump not found (binutils)"; exit 1; }
 bad=0
+dis=$(mktemp)
+trap 'rm -f "$dis"' EXIT
 for b in "${bins[@]}"; do
-  # Functions (demangled) holding a call to a core::arch intrinsic; CPU
-  # feature detection (std_detect, compiler_builtins, crates' cpuid probes)
-  # is not kernel code.
-  found=$(objdump -d --no-show-raw-insn -C "$b" \
-    | awk '/^[0-9a-f]+ </ { f = $0 } /call.*<core::core_arch::/ { print f }' \
-    | grep -Ev 'std_detect|compiler_builtins|cpuid' \
-    | grep -E "$where" | sort | uniq -c || true)
+  objdump -d --no-show-raw-insn -C "$b" > "$dis"
+  # Functions (demangled) holding a call (or tail jump) to a core::arch
+  # intrinsic; CPU feature detection (std_detect, compiler_builtins,
+  # crates' cpuid probes) is not kernel code.
+  # (An outlined intrinsic's own body, jumping inside itself, is skipped:
+  # its callers are what is reported.)
+  found=$(awk '/^[0-9a-f]+ </ { f = $0 } /(call|jmp).*<core::core_arch::/ && f !~ /<core::core_arch::/ { print f }' "$dis" \
+    | { grep -Ev 'std_detect|compiler_builtins|cpuid' || true; } \
+    | { grep -E "$where" || true; } | sort | uniq -c)
   if [ -n "$found" ]; then
     echo "check-inlined: $b calls SIMD intrinsics out of line in:"
     echo "$found"

@@ -367,7 +367,8 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
 /// `d` (4, then 2, then 1), `W * H` independent FMA chains, so an FMA's
 /// latency is covered with room to spare; then the scalar tail. Each pass
 /// prefetches the lines of its own columns in the V rows of `pf` (the next
-/// block's); the last pass also the lines of the scalar tail.
+/// block's); the last pass also the lines of the scalar tail (with no pass,
+/// `d < LANES`, the rows are prefetched whole).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn values_block<S: Kern, T: SimdElem, const H: usize>(
@@ -397,6 +398,12 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
     if c + lanes <= d {
         values_pass::<S, T, H, 1>(s, vrows, n, p, d, o, c, (pf, d));
         c += lanes;
+    }
+    if c == 0 {
+        // d < LANES: no pass ran to take the prefetches.
+        for r in pf {
+            prefetch_row(s, r);
+        }
     }
     for t in c..d {
         for h in 0..H {
