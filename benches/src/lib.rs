@@ -86,39 +86,48 @@ fn simd_sum(x: &[f32]) -> f32 {
     pulp::Arch::new().dispatch(Sum(x))
 }
 
-/// Sums rows `idx` (of `per` floats each) of `buf`: one SIMD dispatch, then
-/// vector loads, four accumulators, a software prefetch 16 rows ahead.
-fn gather_sum(buf: &[f32], idx: &[usize], per: usize) -> f32 {
-    struct Gather<'a>(&'a [f32], &'a [usize], usize);
+/// Sums the rows `idx` (of `per` floats each) of `k` and of `v` the way a
+/// sparse decode reads them: in blocks of 32 tokens, the block's K rows,
+/// then its V rows, each pass prefetching the next block's rows of the same
+/// array (as the kernel does). One SIMD dispatch, vector loads, four
+/// accumulators: the arithmetic is light, so this is what the memory
+/// system gives for the pattern.
+fn gather_sum(k: &[f32], v: &[f32], idx: &[usize], per: usize) -> f32 {
+    struct Gather<'a>(&'a [f32], &'a [f32], &'a [usize], usize);
     impl pulp::WithSimd for Gather<'_> {
         type Output = f32;
         #[inline(always)]
         fn with_simd<S: Simd>(self, s: S) -> f32 {
-            let Gather(buf, idx, per) = self;
+            let Gather(k, v, idx, per) = self;
             let mut acc = [s.splat_f32s(0.0); 4];
-            for (n, &j) in idx.iter().enumerate() {
-                // Prefetch 16 rows ahead, as a tuned gather would (the
-                // yardstick should be the best plain gather, not a weak one).
-                #[cfg(target_arch = "x86_64")]
-                if let Some(&a) = idx.get(n + 16) {
-                    let row = buf[a * per..].as_ptr().cast::<i8>();
-                    for line in (0..per * 4).step_by(64) {
-                        use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-                        // SAFETY: SSE (prefetch) is part of every x86-64 CPU;
-                        // a prefetch never dereferences its address.
-                        unsafe { _mm_prefetch::<{ _MM_HINT_T0 }>(row.wrapping_add(line)) };
+            let blocks: Vec<&[usize]> = idx.chunks(32).collect();
+            for (b, blk) in blocks.iter().enumerate() {
+                let next = blocks.get(b + 1).copied().unwrap_or(&[]);
+                for buf in [k, v] {
+                    for (n, &j) in blk.iter().enumerate() {
+                        #[cfg(target_arch = "x86_64")]
+                        if let Some(&a) = next.get(n) {
+                            let row = buf[a * per..].as_ptr().cast::<i8>();
+                            for line in (0..per * 4).step_by(64) {
+                                use core::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+                                // SAFETY: SSE (prefetch) is part of every
+                                // x86-64 CPU; a prefetch never dereferences
+                                // its address.
+                                unsafe { _mm_prefetch::<{ _MM_HINT_T0 }>(row.wrapping_add(line)) };
+                            }
+                        }
+                        let (head, _) = S::as_simd_f32s(&buf[j * per..(j + 1) * per]);
+                        for (i, &x) in head.iter().enumerate() {
+                            acc[i % 4] = s.add_f32s(acc[i % 4], x);
+                        }
                     }
-                }
-                let (head, _) = S::as_simd_f32s(&buf[j * per..(j + 1) * per]);
-                for (i, &v) in head.iter().enumerate() {
-                    acc[i % 4] = s.add_f32s(acc[i % 4], v);
                 }
             }
             let t = s.add_f32s(s.add_f32s(acc[0], acc[1]), s.add_f32s(acc[2], acc[3]));
             s.reduce_sum_f32s(t)
         }
     }
-    pulp::Arch::new().dispatch(Gather(buf, idx, per))
+    pulp::Arch::new().dispatch(Gather(k, v, idx, per))
 }
 
 /// Streaming-read bandwidth in bytes/s over a buffer of `bytes`, on
@@ -149,14 +158,17 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
 /// Bytes of one gathered row of the gather probe: a K or V row of f16, d 128.
 const GATHER_ROW: usize = 256;
 
-/// Random-row read bandwidth in bytes/s: 10% of the 256-byte rows of a
-/// 1 GiB buffer, sorted, as a sparse decode reads K or V rows; each thread
-/// sums its half of the rows.
-/// Each repetition takes a new selection, so the rows are not cache hits.
-pub fn gather_bandwidth(threads: usize, reps: usize) -> f64 {
-    let buf = BenchBuf::from_fn((1usize << 30) / 4, |i| (i % 7) as f32);
+/// Random-token read bandwidth in bytes/s, in the access pattern of a
+/// sparse decode ([`gather_sum`]): a K and a V array of `bytes / 2` each,
+/// 256-byte rows (f16, d 128), 10% of the tokens at random, sorted; each
+/// thread takes its half of the tokens. Each repetition takes a new
+/// selection, so that a store larger than the cache is not read from it.
+pub fn gather_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
+    let half = bytes / 2 / 4;
+    let k = BenchBuf::from_fn(half, |i| (i % 7) as f32);
+    let v = BenchBuf::from_fn(half, |i| (i % 5) as f32);
     let per = GATHER_ROW / 4;
-    let rows = buf.len() / per;
+    let rows = half / per;
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()
@@ -171,12 +183,14 @@ pub fn gather_bandwidth(threads: usize, reps: usize) -> f64 {
         let t = Instant::now();
         let s: f32 = pool.install(|| {
             use rayon::prelude::*;
-            idx.par_chunks(part).map(|c| gather_sum(&buf, c, per)).sum()
+            idx.par_chunks(part)
+                .map(|c| gather_sum(&k, &v, c, per))
+                .sum()
         });
         std::hint::black_box(s);
         best = best.min(t.elapsed().as_secs_f64());
     }
-    (picked * GATHER_ROW) as f64 / best
+    (2 * picked * GATHER_ROW) as f64 / best
 }
 
 /// Measured streaming-read bandwidths of this machine, taken in the bench run.
@@ -192,10 +206,16 @@ pub struct Probe {
     pub llc2: f64,
     /// Last-level cache size in bytes (from sysfs; 32 MiB if unknown).
     pub llc_bytes: usize,
-    /// Random 256-byte rows from DRAM ([`gather_bandwidth`]), 1 thread.
+    /// Random tokens' K and V rows from DRAM ([`gather_bandwidth`], 1 GiB
+    /// store), 1 thread.
     pub gather1: f64,
     /// The same, 2 threads.
     pub gather2: f64,
+    /// Random tokens' K and V rows from a store of the last-level cache
+    /// probe's size, 1 thread.
+    pub gather_llc1: f64,
+    /// The same, 2 threads.
+    pub gather_llc2: f64,
 }
 
 impl Probe {
@@ -209,33 +229,41 @@ impl Probe {
             llc1: read_bandwidth(small, 1, 30),
             llc2: read_bandwidth(small, 2, 30),
             llc_bytes,
-            gather1: gather_bandwidth(1, 4),
-            gather2: gather_bandwidth(2, 4),
+            gather1: gather_bandwidth(1 << 30, 1, 4),
+            gather2: gather_bandwidth(1 << 30, 2, 4),
+            gather_llc1: gather_bandwidth(small, 1, 30),
+            gather_llc2: gather_bandwidth(small, 2, 30),
         };
         eprintln!(
-            "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s; random 256-B rows (10%) from DRAM {:.1} / {:.1} GB/s",
+            "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s; random tokens' K+V rows (10%, f16 d128) from DRAM {:.1} / {:.1} GB/s, from the cache probe's size {:.1} / {:.1} GB/s",
             p.dram1 / 1e9,
             p.dram2 / 1e9,
             llc_bytes >> 20,
             p.llc1 / 1e9,
             p.llc2 / 1e9,
             p.gather1 / 1e9,
-            p.gather2 / 1e9
+            p.gather2 / 1e9,
+            p.gather_llc1 / 1e9,
+            p.gather_llc2 / 1e9
         );
         p
     }
-    /// The random-row yardstick for a sparse kernel's DRAM figure.
-    pub fn gather(&self, threads: usize) -> f64 {
-        if threads > 1 {
-            self.gather2
-        } else {
-            self.gather1
+    /// The random-token yardstick for a sparse kernel with this working
+    /// set and thread count (DRAM or cache, as [`Probe::reference`]).
+    pub fn gather(&self, working_set: usize, threads: usize) -> f64 {
+        match (self.in_cache(working_set), threads > 1) {
+            (true, false) => self.gather_llc1,
+            (true, true) => self.gather_llc2,
+            (false, false) => self.gather1,
+            (false, true) => self.gather2,
         }
+    }
+    fn in_cache(&self, working_set: usize) -> bool {
+        working_set * 2 < self.llc_bytes
     }
     /// The bandwidth a kernel with this working set and thread count should be compared with.
     pub fn reference(&self, working_set: usize, threads: usize) -> (f64, &'static str) {
-        let in_cache = working_set * 2 < self.llc_bytes;
-        match (in_cache, threads > 1) {
+        match (self.in_cache(working_set), threads > 1) {
             (true, false) => (self.llc1, "LLC"),
             (true, true) => (self.llc2, "LLC"),
             (false, false) => (self.dram1, "DRAM"),
@@ -346,9 +374,17 @@ impl Report {
                 .and_then(|p| m.get(&p).map(|pr| pr.per_call() / t))
                 .map(|x| format!("{x:.1}"))
                 .unwrap_or_default();
-            // Sparse kernels from DRAM: also against the random-row probe.
-            let gather = if id.starts_with("sparse") && kind == "DRAM" {
-                format!("{:.0}%", 100.0 * gbs / probe.gather(r.threads))
+            // Sparse kernels over single random tokens of 256-byte rows:
+            // also against the gather probe, which reads that pattern (a
+            // selection of whole blocks, or other rows, is another one).
+            let probe_pattern = (id.contains("/f16/") || id.contains("/bf16/"))
+                && id.contains("-d128-")
+                && !id.split('-').any(|p| p.starts_with('b'));
+            let gather = if id.starts_with("sparse") && probe_pattern {
+                format!(
+                    "{:.0}%",
+                    100.0 * gbs / probe.gather(r.working_set, r.threads)
+                )
             } else {
                 String::new()
             };
