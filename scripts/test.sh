@@ -14,7 +14,7 @@ if [ "${CI:-}" = "true" ]; then
   # Every x86 ISA the kernel reports must run its conformance suite (read
   # from /proc/cpuinfo, independently of the library's own detection).
   isas=""
-  grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && isas="v3"
+  grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && isas="v3"
   grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && isas="$isas,v4"
   export HGCA_REQUIRE_ISAS=${isas#,}
 fi

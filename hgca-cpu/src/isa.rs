@@ -15,7 +15,8 @@ use pulp::Simd;
 pub enum Isa {
     /// Portable scalar code.
     Scalar,
-    /// x86-64 AVX2 + FMA (x86-64-v3).
+    /// x86-64 AVX2 + FMA + F16C (x86-64-v3). Holds pulp's `V3` token, which
+    /// does not check F16C: detection offers this ISA only with F16C.
     #[cfg(target_arch = "x86_64")]
     V3(pulp::x86::V3),
     /// x86-64 AVX-512 F/BW/CD/DQ/VL (x86-64-v4).
@@ -31,7 +32,7 @@ pub enum Isa {
 pub enum IsaKind {
     /// Scalar.
     Scalar,
-    /// AVX2 + FMA.
+    /// AVX2 + FMA + F16C.
     V3,
     /// AVX-512.
     V4,
@@ -83,7 +84,10 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         #[cfg(target_arch = "x86_64")]
         {
-            if let Some(s) = pulp::x86::V3::try_new() {
+            // x86-64-v3 includes F16C; pulp's V3 token does not check it.
+            if let Some(s) = pulp::x86::V3::try_new()
+                && std::is_x86_feature_detected!("f16c")
+            {
                 v.push(Isa::V3(s));
             }
             if let Some(s) = pulp::x86::V4::try_new() {
@@ -165,14 +169,33 @@ macro_rules! dispatch {
                 )
             }
             #[cfg(target_arch = "x86_64")]
-            $crate::isa::Isa::V3($s) => pulp::Simd::vectorize(
-                $s,
-                #[inline(always)]
-                || {
-                    let _once = once;
-                    $body
-                },
-            ),
+            $crate::isa::Isa::V3($s) => {
+                if std::is_x86_feature_detected!("f16c") {
+                    // SAFETY: the V3 token proves x86-64-v3's features but
+                    // F16C, which was just detected.
+                    unsafe {
+                        $crate::isa::with_f16c(
+                            #[inline(always)]
+                            || {
+                                let _once = once;
+                                $body
+                            },
+                        )
+                    }
+                } else {
+                    // A V3 token made by hand on a CPU without F16C
+                    // (detection never offers one there): scalar code.
+                    let $s = pulp::Scalar::new();
+                    pulp::Simd::vectorize(
+                        $s,
+                        #[inline(always)]
+                        || {
+                            let _once = once;
+                            $body
+                        },
+                    )
+                }
+            }
             #[cfg(target_arch = "x86_64")]
             $crate::isa::Isa::V4($s) => pulp::Simd::vectorize(
                 $s,
@@ -198,6 +221,19 @@ pub(crate) use dispatch;
 
 /// A value [`dispatch`]'s closures consume, which makes them `FnOnce` only.
 pub(crate) struct Once;
+
+/// Runs `f` (inlined) with x86-64-v3's features enabled, F16C included,
+/// which pulp's `V3` leaves out: the AVX2 kernels then widen f16 with
+/// `vcvtph2ps` instead of eleven integer operations per vector.
+///
+/// # Safety
+/// The CPU must have every feature enabled here.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "fxsr,sse3,ssse3,sse4.1,sse4.2,popcnt,avx,avx2,bmi1,bmi2,fma,lzcnt,f16c")]
+#[inline]
+pub(crate) unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
 
 /// What the kernels need from an ISA beyond `pulp::Simd`.
 pub trait Kern: Simd {
@@ -347,26 +383,15 @@ mod x86 {
         #[inline(always)]
         fn widen_f16(self, src: &[f16]) -> Self::f32s {
             let src = &src[..8];
-            // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
-            // token proves AVX2. pulp's V3 does not include F16C, so the
-            // conversion is done exactly with integer ops: shift exponent and
-            // mantissa into place, rebias by 2^112 (which also normalises
-            // subnormals exactly), restore inf/NaN and the sign.
-            unsafe {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
-                let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
-                let em = _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)));
-                let f = _mm256_mul_ps(
-                    _mm256_castsi256_ps(em),
-                    _mm256_castsi256_ps(_mm256_set1_epi32(0x7780_0000)),
-                );
-                let exp = _mm256_and_si256(h, _mm256_set1_epi32(0x7c00));
-                let special = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x7c00));
-                let infnan =
-                    _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x7f80_0000)));
-                let f = _mm256_blendv_ps(f, infnan, _mm256_castsi256_ps(special));
-                pulp::cast(_mm256_or_ps(f, _mm256_castsi256_ps(sign)))
+            if std::is_x86_feature_detected!("f16c") {
+                // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the
+                // V3 token proves AVX, F16C was just detected. (Inlined
+                // where `dispatch!` runs V3 code, inside `with_f16c`.)
+                return unsafe {
+                    pulp::cast(_mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())))
+                };
             }
+            widen_f16_int(self, src)
         }
         #[inline(always)]
         fn widen_bf16(self, src: &[bf16]) -> Self::f32s {
@@ -381,6 +406,31 @@ mod x86 {
         fn prefetch(self, p: *const u8) {
             // SAFETY: prefetch never dereferences architecturally, any address is allowed.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
+        }
+    }
+
+    /// f16 -> f32 exactly with AVX2 integer operations (for a V3 token on a
+    /// CPU without F16C): shift exponent and mantissa into place, rebias by
+    /// 2^112 (which also normalises subnormals exactly), restore inf/NaN
+    /// and the sign.
+    #[inline(always)]
+    pub(super) fn widen_f16_int(_: V3, src: &[f16]) -> <V3 as pulp::Simd>::f32s {
+        let src = &src[..8];
+        // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
+        // token proves AVX2.
+        unsafe {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
+            let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
+            let em = _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)));
+            let f = _mm256_mul_ps(
+                _mm256_castsi256_ps(em),
+                _mm256_castsi256_ps(_mm256_set1_epi32(0x7780_0000)),
+            );
+            let exp = _mm256_and_si256(h, _mm256_set1_epi32(0x7c00));
+            let special = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x7c00));
+            let infnan = _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x7f80_0000)));
+            let f = _mm256_blendv_ps(f, infnan, _mm256_castsi256_ps(special));
+            pulp::cast(_mm256_or_ps(f, _mm256_castsi256_ps(sign)))
         }
     }
 }
@@ -451,3 +501,38 @@ mod neon {
 
 #[cfg(target_arch = "aarch64")]
 pub use neon::has_fp16 as neon_has_fp16;
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod x86_tests {
+    use half::f16;
+
+    /// The integer f16 widening (kept for a V3 token on a CPU without F16C,
+    /// which `dispatch!` never reaches) against `half`, for every f16.
+    #[test]
+    fn integer_f16_widening_is_exact() {
+        let Some(v3) = pulp::x86::V3::try_new() else {
+            println!("SKIP: no AVX2");
+            return;
+        };
+        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let got: Vec<f32> = v3.vectorize(
+            #[inline(always)]
+            || {
+                let mut out = Vec::with_capacity(all.len());
+                for c in all.chunks_exact(8) {
+                    let x: [f32; 8] = pulp::cast(super::x86::widen_f16_int(v3, c));
+                    out.extend_from_slice(&x);
+                }
+                out
+            },
+        );
+        for (h, g) in all.iter().zip(&got) {
+            let want = h.to_f32();
+            assert!(
+                g.to_bits() == want.to_bits() || (want.is_nan() && g.is_nan()),
+                "{:#06x}: {g} != {want}",
+                h.to_bits()
+            );
+        }
+    }
+}

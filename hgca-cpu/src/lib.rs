@@ -2,7 +2,7 @@
 //!
 //! Sparse gather-attention over selected entries of a CPU KV store, dense
 //! attention (decode and causal append), and the merge, written once with
-//! `pulp` and dispatched at run time to AVX-512, AVX2+FMA, NEON or scalar
+//! `pulp` and dispatched at run time to AVX-512, AVX2+FMA+F16C, NEON or scalar
 //! code; threaded with rayon over (KV head, query group) and, when that
 //! gives too few tasks, over token chunks merged exactly by LSE.
 //!
