@@ -5,10 +5,10 @@
 //! Throughput counts the bytes of the K/V rows actually read, the queries
 //! and the outputs. The report at the end divides it by the streaming-read
 //! bandwidth measured by a probe in the same run (DRAM or last-level cache,
-//! by working set; 1 or 2 threads as the bench), and a sparse kernel's also
-//! by the gather probe's: the same access pattern (random tokens' K and V
-//! rows, block by block, prefetched) with almost no arithmetic, the most
-//! the memory system gives for it.
+//! by working set; 1 or 2 threads as the bench), and a sparse kernel's over
+//! single random tokens (f16/bf16, d 128) also by the gather probe's: the
+//! same access pattern (their K and V rows, block by block, prefetched)
+//! with almost no arithmetic, the most the memory system gives for it.
 //!
 //! `HGCA_BENCH_FULL=1` runs the whole grid (d 64/128, kv 8/32, 4k..1M
 //! tokens, 5..100% selected, every dtype and ISA); the default is the

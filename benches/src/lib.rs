@@ -100,9 +100,11 @@ fn gather_sum(k: &[f32], v: &[f32], idx: &[usize], per: usize) -> f32 {
         fn with_simd<S: Simd>(self, s: S) -> f32 {
             let Gather(k, v, idx, per) = self;
             let mut acc = [s.splat_f32s(0.0); 4];
-            let blocks: Vec<&[usize]> = idx.chunks(32).collect();
-            for (b, blk) in blocks.iter().enumerate() {
-                let next = blocks.get(b + 1).copied().unwrap_or(&[]);
+            let mut blocks = idx.chunks(32).peekable();
+            while let Some(blk) = blocks.next() {
+                let next = blocks.peek().copied().unwrap_or(&[]);
+                #[cfg(not(target_arch = "x86_64"))]
+                let _ = next;
                 for buf in [k, v] {
                     for (n, &j) in blk.iter().enumerate() {
                         #[cfg(target_arch = "x86_64")]
@@ -162,8 +164,10 @@ const GATHER_ROW: usize = 256;
 /// sparse decode ([`gather_sum`]): a K and a V array of `bytes / 2` each,
 /// 256-byte rows (f16, d 128), 10% of the tokens at random, sorted; each
 /// thread takes its half of the tokens. Each repetition takes a new
-/// selection, so that a store larger than the cache is not read from it.
-pub fn gather_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
+/// selection, so that a store larger than the cache is not read from it;
+/// within one, the gather runs `inner` times (more than once for a store in
+/// the cache, whose gather is short next to waking the threads).
+pub fn gather_bandwidth(bytes: usize, threads: usize, reps: usize, inner: usize) -> f64 {
     let half = bytes / 2 / 4;
     let k = BenchBuf::from_fn(half, |i| (i % 7) as f32);
     let v = BenchBuf::from_fn(half, |i| (i % 5) as f32);
@@ -173,24 +177,27 @@ pub fn gather_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
         .num_threads(threads)
         .build()
         .expect("probe threads");
-    let mut best = f64::MAX;
-    let mut picked = 0;
+    let mut best = 0.0f64;
     for r in 0..reps {
         let noise = fill(rows, 500 + r as u64);
         let idx: Vec<usize> = (0..rows).filter(|&j| noise[j] < -0.8).collect();
-        picked = idx.len();
         let part = idx.len().div_ceil(threads);
         let t = Instant::now();
         let s: f32 = pool.install(|| {
             use rayon::prelude::*;
-            idx.par_chunks(part)
-                .map(|c| gather_sum(&k, &v, c, per))
+            (0..inner)
+                .map(|_| {
+                    idx.par_chunks(part)
+                        .map(|c| gather_sum(&k, &v, c, per))
+                        .sum::<f32>()
+                })
                 .sum()
         });
         std::hint::black_box(s);
-        best = best.min(t.elapsed().as_secs_f64());
+        let moved = (inner * 2 * idx.len() * GATHER_ROW) as f64;
+        best = best.max(moved / t.elapsed().as_secs_f64());
     }
-    (2 * picked * GATHER_ROW) as f64 / best
+    best
 }
 
 /// Measured streaming-read bandwidths of this machine, taken in the bench run.
@@ -229,10 +236,10 @@ impl Probe {
             llc1: read_bandwidth(small, 1, 30),
             llc2: read_bandwidth(small, 2, 30),
             llc_bytes,
-            gather1: gather_bandwidth(1 << 30, 1, 4),
-            gather2: gather_bandwidth(1 << 30, 2, 4),
-            gather_llc1: gather_bandwidth(small, 1, 30),
-            gather_llc2: gather_bandwidth(small, 2, 30),
+            gather1: gather_bandwidth(1 << 30, 1, 4, 1),
+            gather2: gather_bandwidth(1 << 30, 2, 4, 1),
+            gather_llc1: gather_bandwidth(small, 1, 30, 4),
+            gather_llc2: gather_bandwidth(small, 2, 30, 4),
         };
         eprintln!(
             "probe: streaming read DRAM {:.1} GB/s (1 thread), {:.1} GB/s (2 threads); last-level cache ({} MiB) {:.1} / {:.1} GB/s; random tokens' K+V rows (10%, f16 d128) from DRAM {:.1} / {:.1} GB/s, from the cache probe's size {:.1} / {:.1} GB/s",

@@ -1,8 +1,9 @@
 //! Instruction sets: run-time detection, and the few operations the kernels
 //! need beyond `pulp::Simd` (widening f16/bf16 loads, prefetch, exp).
 //!
-//! ISA modules: `scalar`, `v3` (AVX2+FMA), `v4` (AVX-512), `neon`. All
-//! unsafe code of the crate lives here, each block with its SAFETY line.
+//! ISAs: scalar, V3 (AVX2+FMA+F16C), V4 (AVX-512) in the `x86` module,
+//! NEON in `neon`. All unsafe code of the crate lives here, each block with
+//! its SAFETY line.
 
 use core::fmt;
 
@@ -143,8 +144,9 @@ impl Isa {
 }
 
 /// Runs `$body` with `$s` bound to the concrete SIMD token of `$isa`,
-/// inside that ISA's `vectorize` (so the target features are enabled and
-/// the `#[inline(always)]` kernels are compiled for them).
+/// inside that ISA's `vectorize` (V3: [`run_f16c`], which adds F16C), so
+/// the target features are enabled and the `#[inline(always)]` kernels are
+/// compiled for them.
 ///
 /// Each closure takes a [`Once`] by value, so it is `FnOnce` only. A
 /// closure that is also `Fn` reaches `vectorize` through the compiler's
@@ -171,17 +173,14 @@ macro_rules! dispatch {
             #[cfg(target_arch = "x86_64")]
             $crate::isa::Isa::V3($s) => {
                 if std::is_x86_feature_detected!("f16c") {
-                    // SAFETY: the V3 token proves x86-64-v3's features but
-                    // F16C, which was just detected.
-                    unsafe {
-                        $crate::isa::with_f16c(
-                            #[inline(always)]
-                            || {
-                                let _once = once;
-                                $body
-                            },
-                        )
-                    }
+                    $crate::isa::run_f16c(
+                        $s,
+                        #[inline(always)]
+                        || {
+                            let _once = once;
+                            $body
+                        },
+                    )
                 } else {
                     // A V3 token made by hand on a CPU without F16C
                     // (detection never offers one there): scalar code.
@@ -226,12 +225,26 @@ pub(crate) struct Once;
 /// which pulp's `V3` leaves out: the AVX2 kernels then widen f16 with
 /// `vcvtph2ps` instead of eleven integer operations per vector.
 ///
+/// # Panics
+/// If the CPU has no F16C ([`dispatch`] checks first).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce() -> R) -> R {
+    let _ = v3;
+    assert!(std::is_x86_feature_detected!("f16c"));
+    // SAFETY: the V3 token proves x86-64-v3's features but F16C, which the
+    // line above checked.
+    unsafe { with_f16c(f) }
+}
+
+/// [`run_f16c`]'s target-feature function.
+///
 /// # Safety
 /// The CPU must have every feature enabled here.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fxsr,sse3,ssse3,sse4.1,sse4.2,popcnt,avx,avx2,bmi1,bmi2,fma,lzcnt,f16c")]
 #[inline]
-pub(crate) unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
+unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
@@ -515,9 +528,12 @@ mod x86_tests {
             return;
         };
         let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        let once = super::Once;
         let got: Vec<f32> = v3.vectorize(
             #[inline(always)]
             || {
+                // FnOnce only, as in `dispatch!` (see there).
+                let _once = once;
                 let mut out = Vec::with_capacity(all.len());
                 for c in all.chunks_exact(8) {
                     let x: [f32; 8] = pulp::cast(super::x86::widen_f16_int(v3, c));
