@@ -258,23 +258,37 @@ impl Probe {
     /// The random-token yardstick for a sparse kernel with this working
     /// set and thread count (DRAM or cache, as [`Probe::reference`]).
     pub fn gather(&self, working_set: usize, threads: usize) -> f64 {
-        match (self.in_cache(working_set), threads > 1) {
-            (true, false) => self.gather_llc1,
-            (true, true) => self.gather_llc2,
-            (false, false) => self.gather1,
-            (false, true) => self.gather2,
-        }
+        let (gather_llc, gather_dram) = (
+            [self.gather_llc1, self.gather_llc2],
+            [self.gather1, self.gather2],
+        );
+        self.pick(working_set, threads, gather_llc, gather_dram).0
     }
     fn in_cache(&self, working_set: usize) -> bool {
         working_set * 2 < self.llc_bytes
     }
     /// The bandwidth a kernel with this working set and thread count should be compared with.
     pub fn reference(&self, working_set: usize, threads: usize) -> (f64, &'static str) {
-        match (self.in_cache(working_set), threads > 1) {
-            (true, false) => (self.llc1, "LLC"),
-            (true, true) => (self.llc2, "LLC"),
-            (false, false) => (self.dram1, "DRAM"),
-            (false, true) => (self.dram2, "DRAM"),
+        self.pick(
+            working_set,
+            threads,
+            [self.llc1, self.llc2],
+            [self.dram1, self.dram2],
+        )
+    }
+    /// The 1- or 2-thread figure of the cache or the DRAM pair, by working set.
+    fn pick(
+        &self,
+        working_set: usize,
+        threads: usize,
+        llc: [f64; 2],
+        dram: [f64; 2],
+    ) -> (f64, &'static str) {
+        let t = usize::from(threads > 1);
+        if self.in_cache(working_set) {
+            (llc[t], "LLC")
+        } else {
+            (dram[t], "DRAM")
         }
     }
 }
