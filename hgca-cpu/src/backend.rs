@@ -12,8 +12,8 @@ use pulp::Simd;
 
 use crate::isa::{Isa, IsaKind, Kern, SimdElem, dispatch, exp_neg, load, store};
 use crate::kernel::{
-    ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
-    prefetch_row,
+    Heads, ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, by_heads,
+    finish, prefetch_row,
 };
 
 /// Parallelism of a CPU call (faer's `Par`).
@@ -489,9 +489,18 @@ impl CpuBackend {
                     stride: plan.scores,
                 }),
             };
+            let heads = |o, run, scores| Heads {
+                g: tk.g,
+                q: qv,
+                heads: tk.hn,
+                d,
+                o,
+                run,
+                scores,
+            };
             dispatch!(isa, s => match sp {
-                Spec::List(l) => attend(s, kv, tk.g, qv, tk.hn, d, ListTokens(&l[a..b]), o, run, so),
-                Spec::Range(lo, _) => attend(s, kv, tk.g, qv, tk.hn, d, RangeTokens { start: lo + a, end: lo + b }, o, run, so),
+                Spec::List(l) => attend(s, kv, ListTokens(&l[a..b]), heads(o, run, so)),
+                Spec::Range(lo, _) => attend(s, kv, RangeTokens { start: lo + a, end: lo + b }, heads(o, run, so)),
                 Spec::Threshold(maw, t) => {
                     let mut sink = Vec::new();
                     // Subgroup 0 records the picks (the others repeat them),
@@ -505,7 +514,7 @@ impl CpuBackend {
                         _ => &mut sink,
                     };
                     let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
-                    attend(s, kv, tk.g, qv, tk.hn, d, toks, o, run, so)
+                    attend(s, kv, toks, heads(o, run, so))
                 }
             });
             finish(o, lse, run, d);
@@ -792,12 +801,7 @@ fn bounds_simd<S: Kern, T: SimdElem>(
     let mut h0 = 0;
     while h0 < heads {
         let q = &q[h0 * d..];
-        match heads - h0 {
-            1 => bounds_heads::<S, T, 1>(s, q, heads, h0, d, bounds, out),
-            2 => bounds_heads::<S, T, 2>(s, q, heads, h0, d, bounds, out),
-            3 => bounds_heads::<S, T, 3>(s, q, heads, h0, d, bounds, out),
-            _ => bounds_heads::<S, T, 4>(s, q, heads, h0, d, bounds, out),
-        }
+        by_heads!(heads - h0, H => bounds_heads::<S, T, H>(s, q, heads, h0, d, bounds, out));
         h0 += 4;
     }
 }

@@ -11,6 +11,8 @@ use half::{bf16, f16};
 use hgca_kernels::{DType, Error, KvElem, Result};
 use pulp::Simd;
 
+use crate::kernel::Step;
+
 /// An instruction set the CPU kernels can run on.
 #[derive(Clone, Copy)]
 pub enum Isa {
@@ -259,6 +261,16 @@ pub trait Kern: Simd {
     fn prefetch(self, p: *const u8) {
         let _ = p;
     }
+    /// One block of the attention kernel on f32 rows. Like the two below,
+    /// a plain (non-generic) function of each ISA: the kernel's body is
+    /// compiled once, in this crate, and entered inside the ISA's target
+    /// features (the `kern_steps!` macro writes them). Only the kernel can
+    /// make a `Step`: these are not callable from outside the crate.
+    fn step_f32(self, a: Step<'_, f32>);
+    /// One block of the attention kernel on f16 rows.
+    fn step_f16(self, a: Step<'_, f16>);
+    /// One block of the attention kernel on bf16 rows.
+    fn step_bf16(self, a: Step<'_, bf16>);
     /// The horizontal sums of four vectors. ISAs with wide vectors reduce
     /// them together (a transposed reduction: about a third of the shuffles
     /// of four separate `reduce_sum_f32s`).
@@ -266,6 +278,21 @@ pub trait Kern: Simd {
     fn reduce_sum4(self, v: [Self::f32s; 4]) -> [f32; 4] {
         v.map(|x| self.reduce_sum_f32s(x))
     }
+}
+
+/// Implements [`Kern`]'s `step_*` for one ISA: `$enter` runs a closure
+/// inside the ISA's target features (`vectorize`, or [`run_f16c`] for V3).
+/// The closures own their `Step` (it holds `&mut`), so they are `FnOnce`
+/// only (see [`dispatch`] for why that matters).
+macro_rules! kern_steps {
+    ($enter:path) => {
+        kern_steps!(@ $enter, step_f32: f32, step_f16: half::f16, step_bf16: half::bf16);
+    };
+    (@ $enter:path, $($name:ident: $t:ty),*) => {$(
+        fn $name(self, a: $crate::kernel::Step<'_, $t>) {
+            $enter(self, #[inline(always)] move || $crate::kernel::step(self, a))
+        }
+    )*};
 }
 
 /// Loads exactly one vector of f32 from the first `LANES` elements of `src`.
@@ -300,6 +327,7 @@ impl<T: KvElem> SimdElem for T {
 }
 
 impl Kern for pulp::Scalar {
+    kern_steps!(pulp::Simd::vectorize);
     #[inline(always)]
     fn widen_f16(self, src: &[f16]) -> f32 {
         src[0].to_f32()
@@ -342,6 +370,7 @@ mod x86 {
     use pulp::x86::{V3, V4};
 
     impl Kern for V4 {
+        kern_steps!(pulp::Simd::vectorize);
         #[inline(always)]
         fn reduce_sum4(self, v: [Self::f32s; 4]) -> [f32; 4] {
             // SAFETY: the V4 token proves AVX-512F, which provides every
@@ -393,6 +422,7 @@ mod x86 {
     }
 
     impl Kern for V3 {
+        kern_steps!(crate::isa::run_f16c);
         #[inline(always)]
         fn widen_f16(self, src: &[f16]) -> Self::f32s {
             let src = &src[..8];
@@ -467,6 +497,7 @@ mod neon {
     }
 
     impl Kern for Neon {
+        kern_steps!(pulp::Simd::vectorize);
         #[inline(always)]
         fn widen_f16(self, src: &[f16]) -> Self::f32s {
             let src = &src[..4];

@@ -20,7 +20,8 @@
 //!
 //! Accumulation is f32 throughout.
 
-use hgca_kernels::KvSource;
+use half::{bf16, f16};
+use hgca_kernels::{DType, KvSource};
 use pulp::Simd;
 
 use crate::isa::{Kern, SimdElem, exp_neg, load, store};
@@ -29,6 +30,33 @@ use crate::isa::{Kern, SimdElem, exp_neg, load, store};
 pub(crate) const BLOCK: usize = 32;
 /// Query heads one kernel call serves (larger groups are split).
 pub(crate) const MAX_HEADS: usize = 8;
+
+/// Runs `$body` with the const `$h` = `$n` heads, for `$n` in 1..=3, else
+/// 4: the kernels serve a group in parts of at most four heads, each part
+/// compiled for its exact count.
+macro_rules! by_heads {
+    ($n:expr, $h:ident => $body:expr) => {
+        match $n {
+            1 => {
+                const $h: usize = 1;
+                $body
+            }
+            2 => {
+                const $h: usize = 2;
+                $body
+            }
+            3 => {
+                const $h: usize = 3;
+                $body
+            }
+            _ => {
+                const $h: usize = 4;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use by_heads;
 
 /// Running softmax state of one query head: max score `m`, sum `l` of `exp(s - m)`.
 #[derive(Debug, Clone, Copy)]
@@ -112,6 +140,7 @@ impl Tokens for ThresholdTokens<'_> {
 
 /// Where a kernel call writes its raw (scaled) scores, if asked:
 /// head `h`'s score of the `i`-th token at `buf[h * stride + i]`.
+#[derive(Debug)]
 pub(crate) struct ScoreOut<'a> {
     pub buf: &'a mut [f32],
     pub stride: usize,
@@ -146,125 +175,239 @@ fn line_starts(addr: usize, a: usize, b: usize) -> impl Iterator<Item = isize> {
     (first..end).step_by(64)
 }
 
-/// Attends `heads` query heads (`q`: `[heads, d]`, already multiplied by
-/// the score scale) to `tokens` of KV head `g`, accumulating into `o`
-/// (`[heads, d]`, unnormalised) and `run` (one per head). Call
-/// [`finish`] afterwards.
+/// What one kernel call attends for: `heads` query heads (`q`: `[heads,
+/// d]`, already multiplied by the score scale) of KV head `g`,
+/// accumulating into `o` (`[heads, d]`, unnormalised) and `run` (one per
+/// head), with the raw scores written to `scores` if asked.
+pub(crate) struct Heads<'a> {
+    pub g: usize,
+    pub q: &'a [f32],
+    pub heads: usize,
+    pub d: usize,
+    pub o: &'a mut [f32],
+    pub run: &'a mut [Run],
+    pub scores: Option<ScoreOut<'a>>,
+}
+
+/// Attends `h` (see [`Heads`]) to `tokens` of its KV head. Call [`finish`]
+/// afterwards.
+///
+/// Only this loop, which locates the rows, is generic over the source and
+/// the token stream. The work on the rows ([`step`]) goes through the
+/// ISA's non-generic `step_*` functions ([`Kern`]): it is compiled once, in
+/// this crate, for each ISA and dtype, not again in every crate (and for
+/// every source and token stream) that calls the backend.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     s: S,
     kv: &K,
-    g: usize,
-    q: &[f32],
-    heads: usize,
-    d: usize,
-    mut tokens: I,
-    o: &mut [f32],
-    run: &mut [Run],
-    mut scores: Option<ScoreOut<'_>>,
+    tokens: I,
+    h: Heads<'_>,
 ) {
+    // The rows are viewed as the concrete type that `T` is (a cast that
+    // compiles to nothing); only the arm of `T` is ever taken.
+    match T::DTYPE {
+        DType::F32 => attend_as::<S, T, f32, K, I>(s, kv, tokens, h),
+        DType::F16 => attend_as::<S, T, f16, K, I>(s, kv, tokens, h),
+        DType::BF16 => attend_as::<S, T, bf16, K, I>(s, kv, tokens, h),
+    }
+}
+
+/// [`attend`] with the rows viewed as `U`, which is `T`.
+#[inline(always)]
+fn attend_as<S: Kern, T: SimdElem, U: StepElem, K: KvSource<T>, I: Tokens>(
+    s: S,
+    kv: &K,
+    mut tokens: I,
+    h: Heads<'_>,
+) {
+    let Heads {
+        g,
+        q,
+        heads,
+        d,
+        o,
+        run,
+        mut scores,
+    } = h;
     debug_assert!(heads <= MAX_HEADS && q.len() == heads * d && o.len() == heads * d);
+    debug_assert!(T::DTYPE == U::DTYPE);
+    let rows = |j: usize| -> (&[U], &[U]) {
+        (
+            bytemuck::cast_slice(kv.k_row(g, j)),
+            bytemuck::cast_slice(kv.v_row(g, j)),
+        )
+    };
     // Row slices of this block (`krows[c]`) and of the next (`krows[1 - c]`):
     // each row is located once, when it is first prefetched.
-    let empty: &[T] = &[];
+    let empty: &[U] = &[];
     let mut krows = [[empty; BLOCK]; 2];
     let mut vrows = [[empty; BLOCK]; 2];
     let mut idx = [0usize; BLOCK];
     let mut c = 0;
     let mut n = tokens.next_block(&mut idx);
     for (i, &j) in idx[..n].iter().enumerate() {
-        krows[c][i] = kv.k_row(g, j);
-        vrows[c][i] = kv.v_row(g, j);
+        (krows[c][i], vrows[c][i]) = rows(j);
     }
     let mut done = 0usize;
     let mut sc = [[0.0f32; BLOCK]; MAX_HEADS];
     while n > 0 {
         let n_next = tokens.next_block(&mut idx);
         for (i, &j) in idx[..n_next].iter().enumerate() {
-            krows[1 - c][i] = kv.k_row(g, j);
-            vrows[1 - c][i] = kv.v_row(g, j);
+            (krows[1 - c][i], vrows[1 - c][i]) = rows(j);
         }
-        let (kr, vr) = (&krows[c], &vrows[c]);
-        let mut h0 = 0;
-        while h0 < heads {
-            let q = &q[h0 * d..];
-            let sc = &mut sc[h0..];
-            let pf: &[&[T]] = if h0 == 0 {
-                &krows[1 - c][..n_next]
-            } else {
-                &[]
-            };
-            match heads - h0 {
-                1 => scores_block::<S, T, 1>(s, kr, n, q, d, sc, pf),
-                2 => scores_block::<S, T, 2>(s, kr, n, q, d, sc, pf),
-                3 => scores_block::<S, T, 3>(s, kr, n, q, d, sc, pf),
-                _ => scores_block::<S, T, 4>(s, kr, n, q, d, sc, pf),
-            }
-            h0 += 4;
-        }
-        for h in 0..heads {
-            let row = &mut sc[h];
-            row[n..].fill(f32::NEG_INFINITY);
-            if let Some(out) = scores.as_mut() {
-                out.buf[h * out.stride + done..h * out.stride + done + n]
-                    .copy_from_slice(&row[..n]);
-            }
-            // Block max, vectorised (a scalar fold is a 32-long latency chain;
-            // this alone took the kernel from ~62 to ~43 ns per row in L2).
-            // `row[n..]` is -inf, so whole vectors can be used. The sum
-            // detects a NaN score (max instructions may drop NaN).
-            let mut vm = s.splat_f32s(f32::NEG_INFINITY);
-            let mut vs = s.splat_f32s(0.0);
-            for c in row.chunks_exact(S::F32_LANES) {
-                let x = load(s, c);
-                vm = s.max_f32s(vm, x);
-                vs = s.add_f32s(vs, x);
-            }
-            let r = &mut run[h];
-            if s.reduce_sum_f32s(vs).is_nan() {
-                // A NaN score (NaN in q or k) poisons the head, as in the
-                // reference: NaN weights, NaN output, NaN lse.
-                row.fill(f32::NAN);
-                r.l = f32::NAN;
-                continue;
-            }
-            let bm = s.reduce_max_f32s(vm);
-            if bm > r.m {
-                let alpha = (r.m - bm).exp();
-                r.l *= alpha;
-                scale_row(s, &mut o[h * d..(h + 1) * d], alpha);
-                r.m = bm;
-            }
-            let m = s.splat_f32s(r.m);
-            let mut lsum = 0.0f32;
-            for c in row.chunks_exact_mut(S::F32_LANES) {
-                let p = exp_neg(s, s.sub_f32s(load(s, c), m));
-                lsum += s.reduce_sum_f32s(p);
-                store(s, c, p);
-            }
-            r.l += lsum;
-        }
-        let mut h0 = 0;
-        while h0 < heads {
-            let o = &mut o[h0 * d..];
-            let p = &sc[h0..];
-            let pf: &[&[T]] = if h0 == 0 {
-                &vrows[1 - c][..n_next]
-            } else {
-                &[]
-            };
-            match heads - h0 {
-                1 => values_block::<S, T, 1>(s, vr, n, p, d, o, pf),
-                2 => values_block::<S, T, 2>(s, vr, n, p, d, o, pf),
-                3 => values_block::<S, T, 3>(s, vr, n, p, d, o, pf),
-                _ => values_block::<S, T, 4>(s, vr, n, p, d, o, pf),
-            }
-            h0 += 4;
-        }
+        U::step(
+            s,
+            Step {
+                krows: &krows[c],
+                vrows: &vrows[c],
+                n,
+                next_k: &krows[1 - c][..n_next],
+                next_v: &vrows[1 - c][..n_next],
+                q,
+                heads,
+                d,
+                o: &mut *o,
+                run: &mut *run,
+                sc: &mut sc,
+                scores: scores.as_mut().map(|out| ScoreOut {
+                    buf: &mut *out.buf,
+                    stride: out.stride,
+                }),
+                done,
+            },
+        );
         done += n;
         c = 1 - c;
         n = n_next;
+    }
+}
+
+/// One block's work once its rows are located (see [`step`]).
+#[derive(Debug)]
+pub struct Step<'a, T> {
+    krows: &'a [&'a [T]; BLOCK],
+    vrows: &'a [&'a [T]; BLOCK],
+    /// Tokens of the block (the first `n` rows).
+    n: usize,
+    /// The next block's rows, prefetched along the way.
+    next_k: &'a [&'a [T]],
+    next_v: &'a [&'a [T]],
+    q: &'a [f32],
+    heads: usize,
+    d: usize,
+    o: &'a mut [f32],
+    run: &'a mut [Run],
+    sc: &'a mut [[f32; BLOCK]; MAX_HEADS],
+    scores: Option<ScoreOut<'a>>,
+    /// Tokens of the call before this block.
+    done: usize,
+}
+
+/// The three KV types, each bound to its ISA function ([`Kern`]'s `step_*`).
+pub trait StepElem: SimdElem {
+    /// Runs [`step`] for this type on `s`.
+    fn step<S: Kern>(s: S, a: Step<'_, Self>);
+}
+
+impl StepElem for f32 {
+    #[inline(always)]
+    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
+        s.step_f32(a)
+    }
+}
+
+impl StepElem for f16 {
+    #[inline(always)]
+    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
+        s.step_f16(a)
+    }
+}
+
+impl StepElem for bf16 {
+    #[inline(always)]
+    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
+        s.step_bf16(a)
+    }
+}
+
+/// One block: the scores of its tokens for every head (prefetching the
+/// next block's K rows), the online softmax, then the values (prefetching
+/// the next block's V rows). Each ISA's `step_*` runs this inside its
+/// target features.
+#[inline(always)]
+pub(crate) fn step<S: Kern, T: SimdElem>(s: S, a: Step<'_, T>) {
+    let Step {
+        krows: kr,
+        vrows: vr,
+        n,
+        next_k,
+        next_v,
+        q,
+        heads,
+        d,
+        o,
+        run,
+        sc,
+        mut scores,
+        done,
+    } = a;
+    let mut h0 = 0;
+    while h0 < heads {
+        let q = &q[h0 * d..];
+        let sc = &mut sc[h0..];
+        let pf: &[&[T]] = if h0 == 0 { next_k } else { &[] };
+        by_heads!(heads - h0, H => scores_block::<S, T, H>(s, kr, n, q, d, sc, pf));
+        h0 += 4;
+    }
+    for h in 0..heads {
+        let row = &mut sc[h];
+        row[n..].fill(f32::NEG_INFINITY);
+        if let Some(out) = scores.as_mut() {
+            out.buf[h * out.stride + done..h * out.stride + done + n].copy_from_slice(&row[..n]);
+        }
+        // Block max, vectorised (a scalar fold is a 32-long latency chain;
+        // this alone took the kernel from ~62 to ~43 ns per row in L2).
+        // `row[n..]` is -inf, so whole vectors can be used. The sum
+        // detects a NaN score (max instructions may drop NaN).
+        let mut vm = s.splat_f32s(f32::NEG_INFINITY);
+        let mut vs = s.splat_f32s(0.0);
+        for c in row.chunks_exact(S::F32_LANES) {
+            let x = load(s, c);
+            vm = s.max_f32s(vm, x);
+            vs = s.add_f32s(vs, x);
+        }
+        let r = &mut run[h];
+        if s.reduce_sum_f32s(vs).is_nan() {
+            // A NaN score (NaN in q or k) poisons the head, as in the
+            // reference: NaN weights, NaN output, NaN lse.
+            row.fill(f32::NAN);
+            r.l = f32::NAN;
+            continue;
+        }
+        let bm = s.reduce_max_f32s(vm);
+        if bm > r.m {
+            let alpha = (r.m - bm).exp();
+            r.l *= alpha;
+            scale_row(s, &mut o[h * d..(h + 1) * d], alpha);
+            r.m = bm;
+        }
+        let m = s.splat_f32s(r.m);
+        let mut lsum = 0.0f32;
+        for c in row.chunks_exact_mut(S::F32_LANES) {
+            let p = exp_neg(s, s.sub_f32s(load(s, c), m));
+            lsum += s.reduce_sum_f32s(p);
+            store(s, c, p);
+        }
+        r.l += lsum;
+    }
+    let mut h0 = 0;
+    while h0 < heads {
+        let o = &mut o[h0 * d..];
+        let p = &sc[h0..];
+        let pf: &[&[T]] = if h0 == 0 { next_v } else { &[] };
+        by_heads!(heads - h0, H => values_block::<S, T, H>(s, vr, n, p, d, o, pf));
+        h0 += 4;
     }
 }
 
