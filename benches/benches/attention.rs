@@ -9,6 +9,10 @@
 //! single random tokens (f16/bf16, d 128) also by the gather probe's: the
 //! same access pattern (their K and V rows, block by block, prefetched)
 //! with almost no arithmetic, the most the memory system gives for it.
+//! GB/s is shown as the mean of criterion's samples and as the best
+//! sample; the percentages use the best sample, since each probe reports
+//! the best of its repetitions (on a host whose load moves, a mean against
+//! a best would charge the kernel for the host's noise).
 //!
 //! `HGCA_BENCH_FULL=1` runs the whole grid (d 64/128, kv 8/32, 4k..1M
 //! tokens, 5..100% selected, every dtype and ISA); the default is the

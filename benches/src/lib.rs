@@ -338,6 +338,15 @@ impl Row {
         let iters: u64 = m.iter().map(|c| c.1).sum();
         time / iters.max(1) as f64
     }
+    /// Seconds per iteration of the fastest measurement sample: the
+    /// statistic the probes report (each the best of its repetitions), so
+    /// the percentages compare like with like on a host whose load moves.
+    pub fn best_call(&self) -> f64 {
+        self.calls[self.calls.len().saturating_sub(self.samples)..]
+            .iter()
+            .map(|c| c.0.as_secs_f64() / c.1.max(1) as f64)
+            .fold(f64::INFINITY, f64::min)
+    }
 }
 
 /// Collects criterion's own measurements (through `iter_custom`) for the report.
@@ -380,16 +389,19 @@ impl Report {
         let m = self.0.lock().unwrap();
         m.get(id).map(Row::per_call)
     }
-    /// Prints the table: id, time, GB/s, % of the probe, and the ratio to a peer.
+    /// Prints the table: id, mean time per call, GB/s (mean and best
+    /// sample), % of the probe and % of the gather probe (best sample
+    /// against the probes' best repetition), and the ratio to a peer (means).
     pub fn print(&self, probe: &Probe, peer_of: impl Fn(&str) -> Option<String>) {
         let m = self.0.lock().unwrap();
         println!(
-            "\n{:<58} {:>10} {:>8} {:>12} {:>10} {:>9}",
-            "bench", "time/call", "GB/s", "% of probe", "x peer", "% gather"
+            "\n{:<58} {:>10} {:>8} {:>8} {:>12} {:>10} {:>9}",
+            "bench", "time/call", "GB/s", "best", "% of probe", "x peer", "% gather"
         );
         for (id, r) in m.iter() {
             let t = r.per_call();
             let gbs = r.bytes as f64 / t;
+            let best = r.bytes as f64 / r.best_call();
             let (bw, kind) = probe.reference(r.working_set, r.threads);
             let ratio = peer_of(id)
                 .and_then(|p| m.get(&p).map(|pr| pr.per_call() / t))
@@ -404,16 +416,17 @@ impl Report {
             let gather = if id.starts_with("sparse") && probe_pattern {
                 format!(
                     "{:.0}%",
-                    100.0 * gbs / probe.gather(r.working_set, r.threads)
+                    100.0 * best / probe.gather(r.working_set, r.threads)
                 )
             } else {
                 String::new()
             };
             println!(
-                "{id:<58} {:>8.1}us {:>8.1} {:>7.0}% {:<4} {ratio:>10} {gather:>9}",
+                "{id:<58} {:>8.1}us {:>8.1} {:>8.1} {:>7.0}% {:<4} {ratio:>10} {gather:>9}",
                 t * 1e6,
                 gbs / 1e9,
-                100.0 * gbs / bw,
+                best / 1e9,
+                100.0 * best / bw,
                 kind
             );
         }

@@ -1,5 +1,7 @@
-//! Instruction sets: run-time detection, and the few operations the kernels
-//! need beyond `pulp::Simd` (widening f16/bf16 loads, prefetch, exp).
+//! Instruction sets: run-time detection, the few operations the kernels
+//! need beyond `pulp::Simd` (widening f16/bf16 loads, prefetch, exp), and
+//! each ISA's entry into the attention kernel's block work (`Kern::step_*`,
+//! compiled once in this crate).
 //!
 //! ISAs: scalar, V3 (AVX2+FMA+F16C), V4 (AVX-512) in the `x86` module,
 //! NEON in `neon`. All unsafe code of the crate lives here, each block with
@@ -148,7 +150,9 @@ impl Isa {
 /// Runs `$body` with `$s` bound to the concrete SIMD token of `$isa`,
 /// inside that ISA's `vectorize` (V3: [`run_f16c`], which adds F16C), so
 /// the target features are enabled and the `#[inline(always)]` kernels are
-/// compiled for them.
+/// compiled for them. The attention kernel's work on a block of rows is
+/// entered again, non-generically, through [`Kern`]'s `step_*` (which do
+/// the same for their ISA); `$body` there only locates the rows.
 ///
 /// Each closure takes a [`Once`] by value, so it is `FnOnce` only. A
 /// closure that is also `Fn` reaches `vectorize` through the compiler's
@@ -228,7 +232,9 @@ pub(crate) struct Once;
 /// `vcvtph2ps` instead of eleven integer operations per vector.
 ///
 /// # Panics
-/// If the CPU has no F16C ([`dispatch`] checks first).
+/// If the CPU has no F16C. Never from this crate: [`dispatch`] checks
+/// first and runs a V3 token without F16C as scalar code, and V3's
+/// `step_*` are reached only from inside `dispatch!`'s V3 arm.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce() -> R) -> R {
@@ -251,6 +257,9 @@ unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// What the kernels need from an ISA beyond `pulp::Simd`.
+///
+/// Implemented for `pulp::Scalar`, `V3`, `V4` and `Neon`; no other crate
+/// can implement it (its `step_*` take a type only this crate can make).
 pub trait Kern: Simd {
     /// Widens `LANES` f16 values to f32 (exact).
     fn widen_f16(self, src: &[f16]) -> Self::f32s;
@@ -266,10 +275,13 @@ pub trait Kern: Simd {
     /// compiled once, in this crate, and entered inside the ISA's target
     /// features (the `kern_steps!` macro writes them). Only the kernel can
     /// make a `Step`: these are not callable from outside the crate.
+    #[doc(hidden)]
     fn step_f32(self, a: Step<'_, f32>);
     /// One block of the attention kernel on f16 rows.
+    #[doc(hidden)]
     fn step_f16(self, a: Step<'_, f16>);
     /// One block of the attention kernel on bf16 rows.
+    #[doc(hidden)]
     fn step_bf16(self, a: Step<'_, bf16>);
     /// The horizontal sums of four vectors. ISAs with wide vectors reduce
     /// them together (a transposed reduction: about a third of the shuffles
@@ -429,7 +441,8 @@ mod x86 {
             if std::is_x86_feature_detected!("f16c") {
                 // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the
                 // V3 token proves AVX, F16C was just detected. (Inlined
-                // where `dispatch!` runs V3 code, inside `with_f16c`.)
+                // where V3 code runs inside `with_f16c`: `dispatch!`'s V3
+                // arm and V3's `step_*`.)
                 return unsafe {
                     pulp::cast(_mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())))
                 };

@@ -286,6 +286,7 @@ fn attend_as<S: Kern, T: SimdElem, U: StepElem, K: KvSource<T>, I: Tokens>(
 /// One block's work once its rows are located (see [`step`]).
 #[derive(Debug)]
 pub struct Step<'a, T> {
+    /// The block's K and V rows (the first `n` of each).
     krows: &'a [&'a [T]; BLOCK],
     vrows: &'a [&'a [T]; BLOCK],
     /// Tokens of the block (the first `n` rows).
@@ -293,11 +294,13 @@ pub struct Step<'a, T> {
     /// The next block's rows, prefetched along the way.
     next_k: &'a [&'a [T]],
     next_v: &'a [&'a [T]],
+    /// The call's [`Heads`], less the KV head (the rows are located).
     q: &'a [f32],
     heads: usize,
     d: usize,
     o: &'a mut [f32],
     run: &'a mut [Run],
+    /// Scratch for the block's scores, then its weights, one row per head.
     sc: &'a mut [[f32; BLOCK]; MAX_HEADS],
     scores: Option<ScoreOut<'a>>,
     /// Tokens of the call before this block.
