@@ -6,7 +6,7 @@
 //! and the outputs. The report at the end divides it by the streaming-read
 //! bandwidth measured by a probe in the same run (DRAM or last-level cache,
 //! by working set; 1 or 2 threads as the bench), and a sparse kernel's over
-//! single random tokens (f16/bf16, d 128) also by the gather probe's: the
+//! 10% single random tokens (f16/bf16, d 128) also by the gather probe's: the
 //! same access pattern (their K and V rows, block by block, prefetched)
 //! with almost no arithmetic, the most the memory system gives for it.
 //! GB/s is shown as the mean of criterion's samples and as the best

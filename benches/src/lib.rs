@@ -407,11 +407,13 @@ impl Report {
                 .and_then(|p| m.get(&p).map(|pr| pr.per_call() / t))
                 .map(|x| format!("{x:.1}"))
                 .unwrap_or_default();
-            // Sparse kernels over single random tokens of 256-byte rows:
-            // also against the gather probe, which reads that pattern (a
-            // selection of whole blocks, or other rows, is another one).
+            // Sparse kernels over single random tokens of 256-byte rows,
+            // 10% of them: also against the gather probe, which reads that
+            // pattern (whole blocks, other rows or another density, where
+            // more selected rows are neighbours, are other patterns).
             let probe_pattern = (id.contains("/f16/") || id.contains("/bf16/"))
                 && id.contains("-d128-")
+                && id.contains("-sel10-")
                 && !id.split('-').any(|p| p.starts_with('b'));
             let gather = if id.starts_with("sparse") && probe_pattern {
                 format!(
