@@ -182,7 +182,7 @@ macro_rules! dispatch {
                     $crate::isa::run_f16c(
                         $s,
                         #[inline(always)]
-                        || {
+                        |_f16c| {
                             let _once = once;
                             $body
                         },
@@ -237,23 +237,35 @@ pub(crate) struct Once;
 /// `step_*` are reached only from inside `dispatch!`'s V3 arm.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce() -> R) -> R {
+pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce(F16c) -> R) -> R {
     let _ = v3;
     assert!(std::is_x86_feature_detected!("f16c"));
+    let proof = F16c(());
     // SAFETY: the V3 token proves x86-64-v3's features but F16C, which the
     // line above checked.
-    unsafe { with_f16c(f) }
+    unsafe { with_f16c(proof, f) }
 }
 
-/// [`run_f16c`]'s target-feature function.
+/// Proof that the CPU has F16C: made only where F16C was just detected
+/// (`run_f16c`, which hands it to the code it runs, and V3's checked
+/// `widen_f16`; the field is private to this module). V3's kernels widen
+/// f16 with it and check nothing more.
+#[derive(Debug, Clone, Copy)]
+pub struct F16c(());
+
+/// [`run_f16c`]'s target-feature function. It takes the proof and `f`
+/// as they are: a closure made in `run_f16c` to pass the proof in was
+/// compiled as a function of its own, outside these features, and every
+/// intrinsic in the V3 kernel became a call (28x slower;
+/// `scripts/check-inlined.sh --release` caught it).
 ///
 /// # Safety
 /// The CPU must have every feature enabled here.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fxsr,sse3,ssse3,sse4.1,sse4.2,popcnt,avx,avx2,bmi1,bmi2,fma,lzcnt,f16c")]
 #[inline]
-unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
-    f()
+unsafe fn with_f16c<R>(proof: F16c, f: impl FnOnce(F16c) -> R) -> R {
+    f(proof)
 }
 
 /// What the kernels need from an ISA beyond `pulp::Simd`.
@@ -261,8 +273,24 @@ unsafe fn with_f16c<R>(f: impl FnOnce() -> R) -> R {
 /// Implemented for `pulp::Scalar`, `V3`, `V4` and `Neon`; no other crate
 /// can implement it (its `step_*` take a type only this crate can make).
 pub trait Kern: Simd {
+    /// What the kernels need to know beyond the token: V3, that the CPU has
+    /// F16C ([`F16c`], which only this crate can make); the others, nothing.
+    #[doc(hidden)]
+    type Extra: Copy;
+    /// Runs `f` inside this ISA's target features (`vectorize`; V3 with
+    /// F16C added), with the proof of [`Kern::Extra`].
+    #[doc(hidden)]
+    fn enter<R>(self, f: impl FnOnce(Self::Extra) -> R) -> R;
     /// Widens `LANES` f16 values to f32 (exact).
     fn widen_f16(self, src: &[f16]) -> Self::f32s;
+    /// [`Kern::widen_f16`] given the proof of [`Kern::Extra`]: V3 then
+    /// checks nothing per vector.
+    #[doc(hidden)]
+    #[inline(always)]
+    fn widen_f16_with(self, extra: Self::Extra, src: &[f16]) -> Self::f32s {
+        let _ = extra;
+        self.widen_f16(src)
+    }
     /// Widens `LANES` bf16 values to f32 (exact).
     fn widen_bf16(self, src: &[bf16]) -> Self::f32s;
     /// Hints the cache to fetch the line holding `p`. Never faults.
@@ -292,19 +320,36 @@ pub trait Kern: Simd {
     }
 }
 
-/// Implements [`Kern`]'s `step_*` for one ISA: `$enter` runs a closure
-/// inside the ISA's target features (`vectorize`, or [`run_f16c`] for V3).
+/// Implements [`Kern`]'s `step_*` for one ISA: [`Kern::enter`] runs the
+/// kernel inside the ISA's target features (`vectorize`, or [`run_f16c`]
+/// for V3) and hands it the proof of [`Kern::Extra`].
 /// The closures own their `Step` (it holds `&mut`), so they are `FnOnce`
 /// only (see [`dispatch`] for why that matters).
 macro_rules! kern_steps {
-    ($enter:path) => {
-        kern_steps!(@ $enter, step_f32: f32, step_f16: half::f16, step_bf16: half::bf16);
+    () => {
+        kern_steps!(@ step_f32: f32, step_f16: half::f16, step_bf16: half::bf16);
     };
-    (@ $enter:path, $($name:ident: $t:ty),*) => {$(
+    (@ $($name:ident: $t:ty),*) => {$(
         fn $name(self, a: $crate::kernel::Step<'_, $t>) {
-            $enter(self, #[inline(always)] move || $crate::kernel::step(self, a))
+            self.enter(#[inline(always)] move |x| $crate::kernel::step(self, x, a))
         }
     )*};
+}
+
+/// [`Kern`]'s `Extra` and `enter` for an ISA whose pulp token is the whole
+/// proof: `vectorize`.
+macro_rules! kern_enter_vectorize {
+    () => {
+        type Extra = ();
+        #[inline(always)]
+        fn enter<R>(self, f: impl FnOnce(()) -> R) -> R {
+            pulp::Simd::vectorize(
+                self,
+                #[inline(always)]
+                move || f(()),
+            )
+        }
+    };
 }
 
 /// Loads exactly one vector of f32 from the first `LANES` elements of `src`.
@@ -325,6 +370,9 @@ pub fn store<S: Simd>(_simd: S, dst: &mut [f32], v: S::f32s) {
 pub trait SimdElem: KvElem {
     /// Loads `LANES` elements widened to f32.
     fn load<S: Kern>(simd: S, src: &[Self]) -> S::f32s;
+    /// [`SimdElem::load`] given the proof of [`Kern::Extra`].
+    #[doc(hidden)]
+    fn load_with<S: Kern>(simd: S, extra: S::Extra, src: &[Self]) -> S::f32s;
 }
 
 impl<T: KvElem> SimdElem for T {
@@ -336,10 +384,18 @@ impl<T: KvElem> SimdElem for T {
             DType::BF16 => simd.widen_bf16(bytemuck::cast_slice::<T, bf16>(src)),
         }
     }
+    #[inline(always)]
+    fn load_with<S: Kern>(simd: S, extra: S::Extra, src: &[T]) -> S::f32s {
+        match T::DTYPE {
+            DType::F16 => simd.widen_f16_with(extra, bytemuck::cast_slice::<T, f16>(src)),
+            _ => Self::load(simd, src),
+        }
+    }
 }
 
 impl Kern for pulp::Scalar {
-    kern_steps!(pulp::Simd::vectorize);
+    kern_enter_vectorize!();
+    kern_steps!();
     #[inline(always)]
     fn widen_f16(self, src: &[f16]) -> f32 {
         src[0].to_f32()
@@ -382,7 +438,8 @@ mod x86 {
     use pulp::x86::{V3, V4};
 
     impl Kern for V4 {
-        kern_steps!(pulp::Simd::vectorize);
+        kern_enter_vectorize!();
+        kern_steps!();
         #[inline(always)]
         fn reduce_sum4(self, v: [Self::f32s; 4]) -> [f32; 4] {
             // SAFETY: the V4 token proves AVX-512F, which provides every
@@ -434,18 +491,27 @@ mod x86 {
     }
 
     impl Kern for V3 {
-        kern_steps!(crate::isa::run_f16c);
+        type Extra = super::F16c;
+        #[inline(always)]
+        fn enter<R>(self, f: impl FnOnce(super::F16c) -> R) -> R {
+            super::run_f16c(self, f)
+        }
+        kern_steps!();
+        #[inline(always)]
+        fn widen_f16_with(self, _: super::F16c, src: &[f16]) -> Self::f32s {
+            let src = &src[..8];
+            // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
+            // token proves AVX, and an `F16c` exists only where F16C was
+            // detected. (In the kernel this is inlined into `with_f16c`,
+            // whose target features include F16C.)
+            unsafe { pulp::cast(_mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast()))) }
+        }
         #[inline(always)]
         fn widen_f16(self, src: &[f16]) -> Self::f32s {
-            let src = &src[..8];
+            // Checked on each call (a V3 token alone does not prove F16C);
+            // the attention kernel runs with the proof, `widen_f16_with`.
             if std::is_x86_feature_detected!("f16c") {
-                // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the
-                // V3 token proves AVX, F16C was just detected. (Inlined
-                // where V3 code runs inside `with_f16c`: `dispatch!`'s V3
-                // arm and V3's `step_*`.)
-                return unsafe {
-                    pulp::cast(_mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast())))
-                };
+                return self.widen_f16_with(super::F16c(()), src);
             }
             widen_f16_int(self, src)
         }
@@ -510,7 +576,8 @@ mod neon {
     }
 
     impl Kern for Neon {
-        kern_steps!(pulp::Simd::vectorize);
+        kern_enter_vectorize!();
+        kern_steps!();
         #[inline(always)]
         fn widen_f16(self, src: &[f16]) -> Self::f32s {
             let src = &src[..4];

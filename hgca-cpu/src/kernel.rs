@@ -339,7 +339,7 @@ impl StepElem for bf16 {
 /// the next block's V rows). Each ISA's `step_*` runs this inside its
 /// target features.
 #[inline(always)]
-pub(crate) fn step<S: Kern, T: SimdElem>(s: S, a: Step<'_, T>) {
+pub(crate) fn step<S: Kern, T: SimdElem>(s: S, extra: S::Extra, a: Step<'_, T>) {
     let Step {
         krows: kr,
         vrows: vr,
@@ -360,7 +360,7 @@ pub(crate) fn step<S: Kern, T: SimdElem>(s: S, a: Step<'_, T>) {
         let q = &q[h0 * d..];
         let sc = &mut sc[h0..];
         let pf: &[&[T]] = if h0 == 0 { next_k } else { &[] };
-        by_heads!(heads - h0, H => scores_block::<S, T, H>(s, kr, n, q, d, sc, pf));
+        by_heads!(heads - h0, H => scores_block::<S, T, H>(s, extra, kr, n, q, d, sc, pf));
         h0 += 4;
     }
     for h in 0..heads {
@@ -409,7 +409,7 @@ pub(crate) fn step<S: Kern, T: SimdElem>(s: S, a: Step<'_, T>) {
         let o = &mut o[h0 * d..];
         let p = &sc[h0..];
         let pf: &[&[T]] = if h0 == 0 { next_v } else { &[] };
-        by_heads!(heads - h0, H => values_block::<S, T, H>(s, vr, n, p, d, o, pf));
+        by_heads!(heads - h0, H => values_block::<S, T, H>(s, extra, vr, n, p, d, o, pf));
         h0 += 4;
     }
 }
@@ -434,6 +434,7 @@ fn scale_row<S: Simd>(s: S, o: &mut [f32], alpha: f32) {
 #[allow(clippy::too_many_arguments)]
 fn scores_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
+    extra: S::Extra,
     krows: &[&[T]; BLOCK],
     n: usize,
     q: &[f32],
@@ -468,7 +469,7 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
             .zip(k1[..full].chunks_exact(lanes))
             .enumerate()
         {
-            let (x0, x1) = (T::load(s, c0), T::load(s, c1));
+            let (x0, x1) = (T::load_with(s, extra, c0), T::load_with(s, extra, c1));
             for h in 0..H {
                 let qv = qv[h][i];
                 a0[h] = s.mul_add_f32s(x0, qv, a0[h]);
@@ -519,6 +520,7 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
 #[allow(clippy::too_many_arguments)]
 fn values_block<S: Kern, T: SimdElem, const H: usize>(
     s: S,
+    extra: S::Extra,
     vrows: &[&[T]; BLOCK],
     n: usize,
     p: &[[f32; BLOCK]],
@@ -533,16 +535,16 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
     let mut c = 0;
     while c + 4 * lanes <= d {
         let e = pf_end(c + 4 * lanes);
-        values_pass::<S, T, H, 4>(s, vrows, n, p, d, o, c, (pf, e));
+        values_pass::<S, T, H, 4>(s, extra, vrows, n, p, d, o, c, (pf, e));
         c += 4 * lanes;
     }
     if c + 2 * lanes <= d {
         let e = pf_end(c + 2 * lanes);
-        values_pass::<S, T, H, 2>(s, vrows, n, p, d, o, c, (pf, e));
+        values_pass::<S, T, H, 2>(s, extra, vrows, n, p, d, o, c, (pf, e));
         c += 2 * lanes;
     }
     if c + lanes <= d {
-        values_pass::<S, T, H, 1>(s, vrows, n, p, d, o, c, (pf, d));
+        values_pass::<S, T, H, 1>(s, extra, vrows, n, p, d, o, c, (pf, d));
         c += lanes;
     }
     if c == 0 {
@@ -569,6 +571,7 @@ fn values_block<S: Kern, T: SimdElem, const H: usize>(
 #[allow(clippy::too_many_arguments)]
 fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
     s: S,
+    extra: S::Extra,
     vrows: &[&[T]; BLOCK],
     n: usize,
     p: &[[f32; BLOCK]],
@@ -595,7 +598,7 @@ fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
         let v = &v[c..c + W * lanes];
         let mut vv = [s.splat_f32s(0.0); W];
         for (w, x) in vv.iter_mut().enumerate() {
-            *x = T::load(s, &v[w * lanes..]);
+            *x = T::load_with(s, extra, &v[w * lanes..]);
         }
         for (h, a) in acc.iter_mut().enumerate() {
             let pj = s.splat_f32s(p[h][j]);
