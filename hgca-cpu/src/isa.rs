@@ -228,13 +228,15 @@ pub(crate) use dispatch;
 pub(crate) struct Once;
 
 /// Runs `f` (inlined) with x86-64-v3's features enabled, F16C included,
-/// which pulp's `V3` leaves out: the AVX2 kernels then widen f16 with
-/// `vcvtph2ps` instead of eleven integer operations per vector.
+/// which pulp's `V3` leaves out, and hands it the [`F16c`] proof: the AVX2
+/// kernels then widen f16 with `vcvtph2ps` instead of eleven integer
+/// operations per vector, and check nothing per vector.
 ///
 /// # Panics
-/// If the CPU has no F16C. Never from this crate: [`dispatch`] checks
-/// first and runs a V3 token without F16C as scalar code, and V3's
-/// `step_*` are reached only from inside `dispatch!`'s V3 arm.
+/// If the CPU has no F16C. Never from this crate's own paths: [`dispatch`]
+/// checks first and runs a V3 token without F16C as scalar code, and V3's
+/// `step_*` are reached only from inside `dispatch!`'s V3 arm. (V3's
+/// public but hidden [`Kern::enter`] reaches it without that check.)
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce(F16c) -> R) -> R {
@@ -279,6 +281,9 @@ pub trait Kern: Simd {
     type Extra: Copy;
     /// Runs `f` inside this ISA's target features (`vectorize`; V3 with
     /// F16C added), with the proof of [`Kern::Extra`].
+    ///
+    /// # Panics
+    /// V3: if the CPU has no F16C.
     #[doc(hidden)]
     fn enter<R>(self, f: impl FnOnce(Self::Extra) -> R) -> R;
     /// Widens `LANES` f16 values to f32 (exact).

@@ -337,7 +337,8 @@ impl StepElem for bf16 {
 /// One block: the scores of its tokens for every head (prefetching the
 /// next block's K rows), the online softmax, then the values (prefetching
 /// the next block's V rows). Each ISA's `step_*` runs this inside its
-/// target features.
+/// target features, with the ISA's proof `extra` ([`Kern::Extra`]), which
+/// the loads take.
 #[inline(always)]
 pub(crate) fn step<S: Kern, T: SimdElem>(s: S, extra: S::Extra, a: Step<'_, T>) {
     let Step {
