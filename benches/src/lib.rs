@@ -258,11 +258,13 @@ impl Probe {
     /// The random-token yardstick for a sparse kernel with this working
     /// set and thread count (DRAM or cache, as [`Probe::reference`]).
     pub fn gather(&self, working_set: usize, threads: usize) -> f64 {
-        let (gather_llc, gather_dram) = (
+        self.pick(
+            working_set,
+            threads,
             [self.gather_llc1, self.gather_llc2],
             [self.gather1, self.gather2],
-        );
-        self.pick(working_set, threads, gather_llc, gather_dram).0
+        )
+        .0
     }
     fn in_cache(&self, working_set: usize) -> bool {
         working_set * 2 < self.llc_bytes

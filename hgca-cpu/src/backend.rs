@@ -498,9 +498,9 @@ impl CpuBackend {
                 run,
                 scores,
             };
-            dispatch!(isa, s => match sp {
-                Spec::List(l) => attend(s, kv, ListTokens(&l[a..b]), heads(o, run, so)),
-                Spec::Range(lo, _) => attend(s, kv, RangeTokens { start: lo + a, end: lo + b }, heads(o, run, so)),
+            dispatch!(isa, s, x => match sp {
+                Spec::List(l) => attend(s, x, kv, ListTokens(&l[a..b]), heads(o, run, so)),
+                Spec::Range(lo, _) => attend(s, x, kv, RangeTokens { start: lo + a, end: lo + b }, heads(o, run, so)),
                 Spec::Threshold(maw, t) => {
                     let mut sink = Vec::new();
                     // Subgroup 0 records the picks (the others repeat them),
@@ -514,7 +514,7 @@ impl CpuBackend {
                         _ => &mut sink,
                     };
                     let toks = ThresholdTokens { maw, threshold: t, pos: a, end: b, chosen };
-                    attend(s, kv, toks, heads(o, run, so))
+                    attend(s, x, kv, toks, heads(o, run, so))
                 }
             });
             finish(o, lse, run, d);
@@ -616,7 +616,7 @@ impl CpuBackend {
         }
         let nb = bounds.len() / (2 * d);
         check_len("out", nb * heads, out.len())?;
-        dispatch!(self.isa, s => bounds_simd(s, q, heads, d, bounds, out));
+        dispatch!(self.isa, s, x => bounds_simd(s, x, q, heads, d, bounds, out));
         Ok(())
     }
 
@@ -792,6 +792,7 @@ fn above_simd<S: Simd>(s: S, values: &[f32], t: f32, base: u32, out: &mut Vec<u3
 #[inline(always)]
 fn bounds_simd<S: Kern, T: SimdElem>(
     s: S,
+    extra: S::Extra,
     q: &[f32],
     heads: usize,
     d: usize,
@@ -801,7 +802,7 @@ fn bounds_simd<S: Kern, T: SimdElem>(
     let mut h0 = 0;
     while h0 < heads {
         let q = &q[h0 * d..];
-        by_heads!(heads - h0, H => bounds_heads::<S, T, H>(s, q, heads, h0, d, bounds, out));
+        by_heads!(heads - h0, H => bounds_heads::<S, T, H>(s, extra, q, heads, h0, d, bounds, out));
         h0 += 4;
     }
 }
@@ -812,8 +813,10 @@ const PREFETCH_BLOCKS: usize = 4;
 /// [`bounds_simd`] for heads `h0..h0 + H` (`q` starts at head `h0`): each
 /// block's bounds are loaded and widened once for the `H` heads.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     s: S,
+    extra: S::Extra,
     q: &[f32],
     heads: usize,
     h0: usize,
@@ -843,7 +846,7 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
             .zip(hi[..full].chunks_exact(lanes))
             .enumerate()
         {
-            let (l, u) = (T::load(s, l), T::load(s, u));
+            let (l, u) = (T::load(s, extra, l), T::load(s, extra, u));
             for (a, q) in acc.iter_mut().zip(&qv) {
                 let x = q[i];
                 *a = s.add_f32s(*a, s.max_f32s(s.mul_f32s(x, l), s.mul_f32s(x, u)));

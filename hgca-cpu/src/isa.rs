@@ -150,9 +150,12 @@ impl Isa {
 /// Runs `$body` with `$s` bound to the concrete SIMD token of `$isa`,
 /// inside that ISA's `vectorize` (V3: [`run_f16c`], which adds F16C), so
 /// the target features are enabled and the `#[inline(always)]` kernels are
-/// compiled for them. The attention kernel's work on a block of rows is
-/// entered again, non-generically, through [`Kern`]'s `step_*` (which do
-/// the same for their ISA); `$body` there only locates the rows.
+/// compiled for them. The form `dispatch!(isa, s, x => body)` also binds
+/// `x` to the ISA's proof ([`Kern::Extra`]: on V3 the [`F16c`] of the one
+/// detection made here), which the f16 loads take. The attention kernel's
+/// work on a block of rows is entered again, non-generically, through
+/// [`Kern`]'s `step_*` (with that proof); `$body` there only locates the
+/// rows.
 ///
 /// Each closure takes a [`Once`] by value, so it is `FnOnce` only. A
 /// closure that is also `Fn` reaches `vectorize` through the compiler's
@@ -162,7 +165,10 @@ impl Isa {
 /// ran at ~4900 ns per block instead of ~110. `scripts/check-inlined.sh`
 /// checks the built binaries for such calls.
 macro_rules! dispatch {
-    ($isa:expr, $s:ident => $body:expr) => {{
+    ($isa:expr, $s:ident => $body:expr) => {
+        $crate::isa::dispatch!($isa, $s, _ => $body)
+    };
+    ($isa:expr, $s:ident, $x:pat => $body:expr) => {{
         let once = $crate::isa::Once;
         match $isa {
             $crate::isa::Isa::Scalar => {
@@ -172,22 +178,23 @@ macro_rules! dispatch {
                     #[inline(always)]
                     || {
                         let _once = once;
+                        let $x = ();
                         $body
                     },
                 )
             }
             #[cfg(target_arch = "x86_64")]
-            $crate::isa::Isa::V3($s) => {
-                if std::is_x86_feature_detected!("f16c") {
-                    $crate::isa::run_f16c(
-                        $s,
-                        #[inline(always)]
-                        |_f16c| {
-                            let _once = once;
-                            $body
-                        },
-                    )
-                } else {
+            $crate::isa::Isa::V3($s) => match $crate::isa::F16c::detect() {
+                Some(proof) => $crate::isa::run_f16c(
+                    $s,
+                    proof,
+                    #[inline(always)]
+                    |$x| {
+                        let _once = once;
+                        $body
+                    },
+                ),
+                None => {
                     // A V3 token made by hand on a CPU without F16C
                     // (detection never offers one there): scalar code.
                     let $s = pulp::Scalar::new();
@@ -196,17 +203,19 @@ macro_rules! dispatch {
                         #[inline(always)]
                         || {
                             let _once = once;
+                            let $x = ();
                             $body
                         },
                     )
                 }
-            }
+            },
             #[cfg(target_arch = "x86_64")]
             $crate::isa::Isa::V4($s) => pulp::Simd::vectorize(
                 $s,
                 #[inline(always)]
                 || {
                     let _once = once;
+                    let $x = ();
                     $body
                 },
             ),
@@ -216,6 +225,7 @@ macro_rules! dispatch {
                 #[inline(always)]
                 || {
                     let _once = once;
+                    let $x = ();
                     $body
                 },
             ),
@@ -228,32 +238,35 @@ pub(crate) use dispatch;
 pub(crate) struct Once;
 
 /// Runs `f` (inlined) with x86-64-v3's features enabled, F16C included,
-/// which pulp's `V3` leaves out, and hands it the [`F16c`] proof: the AVX2
-/// kernels then widen f16 with `vcvtph2ps` instead of eleven integer
-/// operations per vector, and check nothing per vector.
-///
-/// # Panics
-/// If the CPU has no F16C. Never from this crate's own paths: [`dispatch`]
-/// checks first and runs a V3 token without F16C as scalar code, and V3's
-/// `step_*` are reached only from inside `dispatch!`'s V3 arm. (V3's
-/// public but hidden [`Kern::enter`] reaches it without that check.)
+/// which pulp's `V3` leaves out, and hands it `proof`: the AVX2 kernels
+/// then widen f16 with `vcvtph2ps` instead of eleven integer operations
+/// per vector, and check nothing per vector.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, f: impl FnOnce(F16c) -> R) -> R {
+pub(crate) fn run_f16c<R>(v3: pulp::x86::V3, proof: F16c, f: impl FnOnce(F16c) -> R) -> R {
     let _ = v3;
-    assert!(std::is_x86_feature_detected!("f16c"));
-    let proof = F16c(());
-    // SAFETY: the V3 token proves x86-64-v3's features but F16C, which the
-    // line above checked.
+    // SAFETY: the V3 token proves x86-64-v3's features but F16C, which
+    // `proof` proves (it is made only where F16C was detected).
     unsafe { with_f16c(proof, f) }
 }
 
-/// Proof that the CPU has F16C: made only where F16C was just detected
-/// (`run_f16c`, which hands it to the code it runs, and V3's checked
-/// `widen_f16`; the field is private to this module). V3's kernels widen
-/// f16 with it and check nothing more.
+/// Proof that the CPU has F16C: made only by `F16c::detect` (the field
+/// is private to this module). `dispatch!` detects once per call and
+/// hands it down; V3's kernels widen f16 with it and check nothing more.
 #[derive(Debug, Clone, Copy)]
 pub struct F16c(());
+
+impl F16c {
+    /// The proof, if this CPU has F16C.
+    #[inline]
+    pub(crate) fn detect() -> Option<F16c> {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("f16c") {
+            return Some(F16c(()));
+        }
+        None
+    }
+}
 
 /// [`run_f16c`]'s target-feature function. It takes the proof and `f`
 /// as they are: a closure made in `run_f16c` to pass the proof in was
@@ -280,22 +293,11 @@ pub trait Kern: Simd {
     #[doc(hidden)]
     type Extra: Copy;
     /// Runs `f` inside this ISA's target features (`vectorize`; V3 with
-    /// F16C added), with the proof of [`Kern::Extra`].
-    ///
-    /// # Panics
-    /// V3: if the CPU has no F16C.
+    /// F16C added), handing it `extra`.
     #[doc(hidden)]
-    fn enter<R>(self, f: impl FnOnce(Self::Extra) -> R) -> R;
-    /// Widens `LANES` f16 values to f32 (exact).
-    fn widen_f16(self, src: &[f16]) -> Self::f32s;
-    /// [`Kern::widen_f16`] given the proof of [`Kern::Extra`]: V3 then
-    /// checks nothing per vector.
-    #[doc(hidden)]
-    #[inline(always)]
-    fn widen_f16_with(self, extra: Self::Extra, src: &[f16]) -> Self::f32s {
-        let _ = extra;
-        self.widen_f16(src)
-    }
+    fn enter<R>(self, extra: Self::Extra, f: impl FnOnce(Self::Extra) -> R) -> R;
+    /// Widens `LANES` f16 values to f32 (exact), given the ISA's proof.
+    fn widen_f16(self, extra: Self::Extra, src: &[f16]) -> Self::f32s;
     /// Widens `LANES` bf16 values to f32 (exact).
     fn widen_bf16(self, src: &[bf16]) -> Self::f32s;
     /// Hints the cache to fetch the line holding `p`. Never faults.
@@ -309,13 +311,13 @@ pub trait Kern: Simd {
     /// features (the `kern_steps!` macro writes them). Only the kernel can
     /// make a `Step`: these are not callable from outside the crate.
     #[doc(hidden)]
-    fn step_f32(self, a: Step<'_, f32>);
+    fn step_f32(self, extra: Self::Extra, a: Step<'_, f32>);
     /// One block of the attention kernel on f16 rows.
     #[doc(hidden)]
-    fn step_f16(self, a: Step<'_, f16>);
+    fn step_f16(self, extra: Self::Extra, a: Step<'_, f16>);
     /// One block of the attention kernel on bf16 rows.
     #[doc(hidden)]
-    fn step_bf16(self, a: Step<'_, bf16>);
+    fn step_bf16(self, extra: Self::Extra, a: Step<'_, bf16>);
     /// The horizontal sums of four vectors. ISAs with wide vectors reduce
     /// them together (a transposed reduction: about a third of the shuffles
     /// of four separate `reduce_sum_f32s`).
@@ -327,7 +329,7 @@ pub trait Kern: Simd {
 
 /// Implements [`Kern`]'s `step_*` for one ISA: [`Kern::enter`] runs the
 /// kernel inside the ISA's target features (`vectorize`, or [`run_f16c`]
-/// for V3) and hands it the proof of [`Kern::Extra`].
+/// for V3) with the proof the caller had.
 /// The closures own their `Step` (it holds `&mut`), so they are `FnOnce`
 /// only (see [`dispatch`] for why that matters).
 macro_rules! kern_steps {
@@ -335,8 +337,8 @@ macro_rules! kern_steps {
         kern_steps!(@ step_f32: f32, step_f16: half::f16, step_bf16: half::bf16);
     };
     (@ $($name:ident: $t:ty),*) => {$(
-        fn $name(self, a: $crate::kernel::Step<'_, $t>) {
-            self.enter(#[inline(always)] move |x| $crate::kernel::step(self, x, a))
+        fn $name(self, extra: Self::Extra, a: $crate::kernel::Step<'_, $t>) {
+            self.enter(extra, #[inline(always)] move |x| $crate::kernel::step(self, x, a))
         }
     )*};
 }
@@ -347,11 +349,11 @@ macro_rules! kern_enter_vectorize {
     () => {
         type Extra = ();
         #[inline(always)]
-        fn enter<R>(self, f: impl FnOnce(()) -> R) -> R {
+        fn enter<R>(self, extra: (), f: impl FnOnce(()) -> R) -> R {
             pulp::Simd::vectorize(
                 self,
                 #[inline(always)]
-                move || f(()),
+                move || f(extra),
             )
         }
     };
@@ -373,27 +375,17 @@ pub fn store<S: Simd>(_simd: S, dst: &mut [f32], v: S::f32s) {
 /// A KV element the kernels can load as a vector of f32: every [`KvElem`]
 /// (the match on the dtype constant is resolved at compile time).
 pub trait SimdElem: KvElem {
-    /// Loads `LANES` elements widened to f32.
-    fn load<S: Kern>(simd: S, src: &[Self]) -> S::f32s;
-    /// [`SimdElem::load`] given the proof of [`Kern::Extra`].
-    #[doc(hidden)]
-    fn load_with<S: Kern>(simd: S, extra: S::Extra, src: &[Self]) -> S::f32s;
+    /// Loads `LANES` elements widened to f32, given the ISA's proof.
+    fn load<S: Kern>(simd: S, extra: S::Extra, src: &[Self]) -> S::f32s;
 }
 
 impl<T: KvElem> SimdElem for T {
     #[inline(always)]
-    fn load<S: Kern>(simd: S, src: &[T]) -> S::f32s {
+    fn load<S: Kern>(simd: S, extra: S::Extra, src: &[T]) -> S::f32s {
         match T::DTYPE {
             DType::F32 => load(simd, bytemuck::cast_slice::<T, f32>(src)),
-            DType::F16 => simd.widen_f16(bytemuck::cast_slice::<T, f16>(src)),
+            DType::F16 => simd.widen_f16(extra, bytemuck::cast_slice::<T, f16>(src)),
             DType::BF16 => simd.widen_bf16(bytemuck::cast_slice::<T, bf16>(src)),
-        }
-    }
-    #[inline(always)]
-    fn load_with<S: Kern>(simd: S, extra: S::Extra, src: &[T]) -> S::f32s {
-        match T::DTYPE {
-            DType::F16 => simd.widen_f16_with(extra, bytemuck::cast_slice::<T, f16>(src)),
-            _ => Self::load(simd, src),
         }
     }
 }
@@ -402,7 +394,7 @@ impl Kern for pulp::Scalar {
     kern_enter_vectorize!();
     kern_steps!();
     #[inline(always)]
-    fn widen_f16(self, src: &[f16]) -> f32 {
+    fn widen_f16(self, _: (), src: &[f16]) -> f32 {
         src[0].to_f32()
     }
     #[inline(always)]
@@ -473,7 +465,7 @@ mod x86 {
             }
         }
         #[inline(always)]
-        fn widen_f16(self, src: &[f16]) -> Self::f32s {
+        fn widen_f16(self, _: (), src: &[f16]) -> Self::f32s {
             let src = &src[..16];
             // SAFETY: `src` holds 16 f16 = 32 bytes (checked above); the V4
             // token proves AVX-512F, which provides vcvtph2ps zmm.
@@ -498,27 +490,18 @@ mod x86 {
     impl Kern for V3 {
         type Extra = super::F16c;
         #[inline(always)]
-        fn enter<R>(self, f: impl FnOnce(super::F16c) -> R) -> R {
-            super::run_f16c(self, f)
+        fn enter<R>(self, proof: super::F16c, f: impl FnOnce(super::F16c) -> R) -> R {
+            super::run_f16c(self, proof, f)
         }
         kern_steps!();
         #[inline(always)]
-        fn widen_f16_with(self, _: super::F16c, src: &[f16]) -> Self::f32s {
+        fn widen_f16(self, _: super::F16c, src: &[f16]) -> Self::f32s {
             let src = &src[..8];
             // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
             // token proves AVX, and an `F16c` exists only where F16C was
-            // detected. (In the kernel this is inlined into `with_f16c`,
+            // detected. (In the kernels this is inlined into `with_f16c`,
             // whose target features include F16C.)
             unsafe { pulp::cast(_mm256_cvtph_ps(_mm_loadu_si128(src.as_ptr().cast()))) }
-        }
-        #[inline(always)]
-        fn widen_f16(self, src: &[f16]) -> Self::f32s {
-            // Checked on each call (a V3 token alone does not prove F16C);
-            // the attention kernel runs with the proof, `widen_f16_with`.
-            if std::is_x86_feature_detected!("f16c") {
-                return self.widen_f16_with(super::F16c(()), src);
-            }
-            widen_f16_int(self, src)
         }
         #[inline(always)]
         fn widen_bf16(self, src: &[bf16]) -> Self::f32s {
@@ -533,31 +516,6 @@ mod x86 {
         fn prefetch(self, p: *const u8) {
             // SAFETY: prefetch never dereferences architecturally, any address is allowed.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
-        }
-    }
-
-    /// f16 -> f32 exactly with AVX2 integer operations (for a V3 token on a
-    /// CPU without F16C): shift exponent and mantissa into place, rebias by
-    /// 2^112 (which also normalises subnormals exactly), restore inf/NaN
-    /// and the sign.
-    #[inline(always)]
-    pub(super) fn widen_f16_int(_: V3, src: &[f16]) -> <V3 as pulp::Simd>::f32s {
-        let src = &src[..8];
-        // SAFETY: `src` holds 8 f16 = 16 bytes (checked above); the V3
-        // token proves AVX2.
-        unsafe {
-            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
-            let sign = _mm256_slli_epi32::<16>(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)));
-            let em = _mm256_slli_epi32::<13>(_mm256_and_si256(h, _mm256_set1_epi32(0x7fff)));
-            let f = _mm256_mul_ps(
-                _mm256_castsi256_ps(em),
-                _mm256_castsi256_ps(_mm256_set1_epi32(0x7780_0000)),
-            );
-            let exp = _mm256_and_si256(h, _mm256_set1_epi32(0x7c00));
-            let special = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x7c00));
-            let infnan = _mm256_castsi256_ps(_mm256_or_si256(em, _mm256_set1_epi32(0x7f80_0000)));
-            let f = _mm256_blendv_ps(f, infnan, _mm256_castsi256_ps(special));
-            pulp::cast(_mm256_or_ps(f, _mm256_castsi256_ps(sign)))
         }
     }
 }
@@ -584,7 +542,7 @@ mod neon {
         kern_enter_vectorize!();
         kern_steps!();
         #[inline(always)]
-        fn widen_f16(self, src: &[f16]) -> Self::f32s {
+        fn widen_f16(self, _: (), src: &[f16]) -> Self::f32s {
             let src = &src[..4];
             if has_fp16() {
                 // SAFETY: 8 readable bytes (checked above); fcvtl is base
@@ -630,41 +588,3 @@ mod neon {
 
 #[cfg(target_arch = "aarch64")]
 pub use neon::has_fp16 as neon_has_fp16;
-
-#[cfg(all(test, target_arch = "x86_64"))]
-mod x86_tests {
-    use half::f16;
-
-    /// The integer f16 widening (kept for a V3 token on a CPU without F16C,
-    /// which `dispatch!` never reaches) against `half`, for every f16.
-    #[test]
-    fn integer_f16_widening_is_exact() {
-        let Some(v3) = pulp::x86::V3::try_new() else {
-            println!("SKIP: no AVX2");
-            return;
-        };
-        let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
-        let once = super::Once;
-        let got: Vec<f32> = v3.vectorize(
-            #[inline(always)]
-            || {
-                // FnOnce only, as in `dispatch!` (see there).
-                let _once = once;
-                let mut out = Vec::with_capacity(all.len());
-                for c in all.chunks_exact(8) {
-                    let x: [f32; 8] = pulp::cast(super::x86::widen_f16_int(v3, c));
-                    out.extend_from_slice(&x);
-                }
-                out
-            },
-        );
-        for (h, g) in all.iter().zip(&got) {
-            let want = h.to_f32();
-            assert!(
-                g.to_bits() == want.to_bits() || (want.is_nan() && g.is_nan()),
-                "{:#06x}: {g} != {want}",
-                h.to_bits()
-            );
-        }
-    }
-}

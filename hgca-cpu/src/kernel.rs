@@ -200,6 +200,7 @@ pub(crate) struct Heads<'a> {
 #[inline(always)]
 pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     s: S,
+    extra: S::Extra,
     kv: &K,
     tokens: I,
     h: Heads<'_>,
@@ -207,9 +208,9 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
     // The rows are viewed as the concrete type that `T` is (a cast that
     // compiles to nothing); only the arm of `T` is ever taken.
     match T::DTYPE {
-        DType::F32 => attend_as::<S, T, f32, K, I>(s, kv, tokens, h),
-        DType::F16 => attend_as::<S, T, f16, K, I>(s, kv, tokens, h),
-        DType::BF16 => attend_as::<S, T, bf16, K, I>(s, kv, tokens, h),
+        DType::F32 => attend_as::<S, T, f32, K, I>(s, extra, kv, tokens, h),
+        DType::F16 => attend_as::<S, T, f16, K, I>(s, extra, kv, tokens, h),
+        DType::BF16 => attend_as::<S, T, bf16, K, I>(s, extra, kv, tokens, h),
     }
 }
 
@@ -217,6 +218,7 @@ pub(crate) fn attend<S: Kern, T: SimdElem, K: KvSource<T>, I: Tokens>(
 #[inline(always)]
 fn attend_as<S: Kern, T: SimdElem, U: StepElem, K: KvSource<T>, I: Tokens>(
     s: S,
+    extra: S::Extra,
     kv: &K,
     mut tokens: I,
     h: Heads<'_>,
@@ -258,6 +260,7 @@ fn attend_as<S: Kern, T: SimdElem, U: StepElem, K: KvSource<T>, I: Tokens>(
         }
         U::step(
             s,
+            extra,
             Step {
                 krows: &krows[c],
                 vrows: &vrows[c],
@@ -309,28 +312,28 @@ pub struct Step<'a, T> {
 
 /// The three KV types, each bound to its ISA function ([`Kern`]'s `step_*`).
 pub trait StepElem: SimdElem {
-    /// Runs [`step`] for this type on `s`.
-    fn step<S: Kern>(s: S, a: Step<'_, Self>);
+    /// Runs [`step`] for this type on `s`, with its proof `extra`.
+    fn step<S: Kern>(s: S, extra: S::Extra, a: Step<'_, Self>);
 }
 
 impl StepElem for f32 {
     #[inline(always)]
-    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
-        s.step_f32(a)
+    fn step<S: Kern>(s: S, extra: S::Extra, a: Step<'_, Self>) {
+        s.step_f32(extra, a)
     }
 }
 
 impl StepElem for f16 {
     #[inline(always)]
-    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
-        s.step_f16(a)
+    fn step<S: Kern>(s: S, extra: S::Extra, a: Step<'_, Self>) {
+        s.step_f16(extra, a)
     }
 }
 
 impl StepElem for bf16 {
     #[inline(always)]
-    fn step<S: Kern>(s: S, a: Step<'_, Self>) {
-        s.step_bf16(a)
+    fn step<S: Kern>(s: S, extra: S::Extra, a: Step<'_, Self>) {
+        s.step_bf16(extra, a)
     }
 }
 
@@ -470,7 +473,7 @@ fn scores_block<S: Kern, T: SimdElem, const H: usize>(
             .zip(k1[..full].chunks_exact(lanes))
             .enumerate()
         {
-            let (x0, x1) = (T::load_with(s, extra, c0), T::load_with(s, extra, c1));
+            let (x0, x1) = (T::load(s, extra, c0), T::load(s, extra, c1));
             for h in 0..H {
                 let qv = qv[h][i];
                 a0[h] = s.mul_add_f32s(x0, qv, a0[h]);
@@ -599,7 +602,7 @@ fn values_pass<S: Kern, T: SimdElem, const H: usize, const W: usize>(
         let v = &v[c..c + W * lanes];
         let mut vv = [s.splat_f32s(0.0); W];
         for (w, x) in vv.iter_mut().enumerate() {
-            *x = T::load_with(s, extra, &v[w * lanes..]);
+            *x = T::load(s, extra, &v[w * lanes..]);
         }
         for (h, a) in acc.iter_mut().enumerate() {
             let pj = s.splat_f32s(p[h][j]);
