@@ -5,8 +5,9 @@
 use std::sync::{Arc, Mutex};
 
 use hgca_kernels::{
-    AttnShape, Error, KvSource, MergeBackend, PartialLayout, PartialMut, PartialRef, Result,
-    Selection, SparseAttention, check_len, merge2_row,
+    AttnShape, Error, KvSource, LseFormat, LseLayout, MergeBackend, PageBounds, PagedBatch,
+    PagedSeq, PartialLayout, PartialMut, PartialRef, Result, Selection, SparseAttention, check_len,
+    merge2_row,
 };
 use pulp::Simd;
 
@@ -51,7 +52,6 @@ pub struct CpuBackend {
     isa: Isa,
     par: Par,
     pool: Option<Arc<rayon::ThreadPool>>,
-    scratch: Arc<Mutex<Vec<f32>>>,
     /// Reused buffer of the window weights a dense submit produces.
     pub(crate) wbuf: Arc<Mutex<Vec<f32>>>,
 }
@@ -80,6 +80,25 @@ impl Spec<'_> {
     }
 }
 
+/// What one call of [`CpuBackend::run`] computes: for each unit `u` of
+/// `units` (query token or sequence `t = u / kv_heads`, KV head `g = u %
+/// kv_heads`), attention of the queries of row `t` over the tokens
+/// `spec(t, g)` of `kv(t)`; the weights of unit `(t, g)`, `[group, len]`,
+/// at `weight_offset(t, g)` (relative offsets: the first unit's is
+/// subtracted).
+struct Job<KF, SF, WF> {
+    units: std::ops::Range<usize>,
+    kv: KF,
+    spec: SF,
+    weight_offset: WF,
+    par: Par,
+}
+
+thread_local! {
+    /// The calling thread's scratch for [`CpuBackend::run`].
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// One piece of work: query token `t`, KV head `g`, query heads
 /// `h0..h0+hn` of its group, chunk `c` of its tokens.
 #[derive(Clone, Copy)]
@@ -92,7 +111,9 @@ struct Task {
 }
 
 struct Plan {
-    tokens_q: usize,
+    /// The first (token or sequence, KV head) unit, `t * kv_heads + g`.
+    unit0: usize,
+    units: usize,
     kv_heads: usize,
     group: usize,
     subs: usize,
@@ -106,15 +127,15 @@ struct Plan {
 
 impl Plan {
     fn tasks(&self) -> usize {
-        self.tokens_q * self.kv_heads * self.subs * self.chunks
+        self.units * self.subs * self.chunks
     }
     fn task(&self, i: usize) -> Task {
         let c = i % self.chunks;
         let i = i / self.chunks;
         let sub = i % self.subs;
-        let i = i / self.subs;
-        let g = i % self.kv_heads;
-        let t = i / self.kv_heads;
+        let u = self.unit0 + i / self.subs;
+        let g = u % self.kv_heads;
+        let t = u / self.kv_heads;
         let h0 = sub * self.hsub;
         Task {
             t,
@@ -140,7 +161,6 @@ impl CpuBackend {
             isa: Isa::detect(),
             par: Par::Rayon(0),
             pool: None,
-            scratch: Arc::default(),
             wbuf: Arc::default(),
         }
     }
@@ -249,13 +269,14 @@ impl CpuBackend {
         if let Some(w) = &weights {
             check_len("weights", shape.q_heads() * n, w.len())?;
         }
-        self.run(
+        let group = shape.group();
+        self.run_whole(
             shape,
             q,
             1,
-            kv,
+            |_| kv,
             |_, _| Spec::Range(0, n),
-            |g| g * n,
+            |_, g| g * group * n,
             out,
             weights,
             None,
@@ -301,13 +322,13 @@ impl CpuBackend {
     ) -> Result<()> {
         check_common(shape, q, n_q, kv, &out)?;
         let n = kv.tokens();
-        self.run(
+        self.run_whole(
             shape,
             q,
             n_q,
-            kv,
+            |_| kv,
             |t, _| Spec::Range(0, visible(t).min(n)),
-            |_| 0,
+            |_, _| 0,
             out,
             None,
             None,
@@ -346,13 +367,13 @@ impl CpuBackend {
             });
         }
         let mut lists: Vec<Vec<u32>> = Vec::new();
-        self.run(
+        self.run_whole(
             shape,
             q,
             1,
-            kv,
+            |_| kv,
             |_, g| Spec::Threshold(&maw[g * n..(g + 1) * n], thresholds[g]),
-            |_| 0,
+            |_, _| 0,
             out,
             None,
             Some(&mut lists),
@@ -375,12 +396,19 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn plan(&self, shape: &AttnShape, tokens_q: usize, max_len: usize, weights: bool) -> Plan {
+    fn plan(
+        &self,
+        shape: &AttnShape,
+        units: std::ops::Range<usize>,
+        par: Par,
+        max_len: usize,
+        weights: bool,
+    ) -> Plan {
         let group = shape.group();
         let subs = group.div_ceil(MAX_HEADS);
         let hsub = group.div_ceil(subs);
-        let base = tokens_q * shape.kv_heads() * subs;
-        let threads = self.threads();
+        let base = units.len() * subs;
+        let threads = if par == Par::Seq { 1 } else { self.threads() };
         let chunks = if threads > 1 && base < 4 * threads {
             (4 * threads)
                 .div_ceil(base)
@@ -398,7 +426,8 @@ impl CpuBackend {
             0
         };
         Plan {
-            tokens_q,
+            unit0: units.start,
+            units: units.len(),
             kv_heads: shape.kv_heads(),
             group,
             subs,
@@ -410,36 +439,96 @@ impl CpuBackend {
         }
     }
 
-    /// The engine behind every public entry: plans tasks, runs them (in
-    /// parallel), merges chunk partials into `out` exactly, and writes the
-    /// weights normalised by the final lse: each task its own when rows are
-    /// not split, else from raw scores after the merge.
+    /// [`CpuBackend::run`] over every unit of `tokens_q` query rows, on
+    /// this backend's parallelism, into a whole partial.
     #[allow(clippy::too_many_arguments)]
-    fn run<'s, T: SimdElem, K: KvSource<T>>(
+    fn run_whole<'s, T: SimdElem, K: KvSource<T>>(
         &self,
         shape: &AttnShape,
         q: &[f32],
         tokens_q: usize,
-        kv: &K,
+        kv: impl Fn(usize) -> K + Sync,
         spec: impl Fn(usize, usize) -> Spec<'s> + Sync,
-        weight_offset: impl Fn(usize) -> usize + Sync,
+        weight_offset: impl Fn(usize, usize) -> usize + Sync,
         mut out: PartialMut<'_>,
+        weights: Option<&mut [f32]>,
+        chosen: Option<&mut Vec<Vec<u32>>>,
+    ) {
+        let (o, l) = out.parts_mut();
+        let job = Job {
+            units: 0..tokens_q * shape.kv_heads(),
+            kv,
+            spec,
+            weight_offset,
+            par: self.par,
+        };
+        self.run(shape, q, job, o, l, weights, chosen);
+    }
+
+    /// The engine behind every public entry: plans the tasks of `job`,
+    /// runs them (in parallel unless `job.par` is [`Par::Seq`]), merges
+    /// chunk partials into `out_o`/`out_lse` (the rows of `job.units`,
+    /// natural-log lse) exactly, and writes the weights normalised by the
+    /// final lse: each task its own when rows are not split, else from raw
+    /// scores after the merge.
+    ///
+    /// Scratch is the calling thread's own (taken out of a thread-local for
+    /// the call, so a nested call from a task of the same thread finds it
+    /// empty and allocates): no lock is held across the parallel work.
+    fn run<'s, T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        job: Job<
+            impl Fn(usize) -> K + Sync,
+            impl Fn(usize, usize) -> Spec<'s> + Sync,
+            impl Fn(usize, usize) -> usize + Sync,
+        >,
+        out_o: &mut [f32],
+        out_lse: &mut [f32],
         mut weights: Option<&mut [f32]>,
         mut chosen: Option<&mut Vec<Vec<u32>>>,
     ) {
-        let (d, group, qh) = (shape.head_dim(), shape.group(), shape.q_heads());
-        let max_len = (0..shape.kv_heads())
-            .map(|g| spec(0, g).len())
+        let (d, group, qh, hk) = (
+            shape.head_dim(),
+            shape.group(),
+            shape.q_heads(),
+            shape.kv_heads(),
+        );
+        let Job {
+            units,
+            kv,
+            spec,
+            weight_offset,
+            par,
+        } = job;
+        let unit_tg = |u: usize| (u / hk, u % hk);
+        let max_len = units
+            .clone()
+            .map(|u| {
+                let (t, g) = unit_tg(u);
+                spec(t, g).len()
+            })
             .max()
             .unwrap_or(0);
-        let plan = self.plan(shape, tokens_q, max_len, weights.is_some());
+        let plan = self.plan(shape, units.clone(), par, max_len, weights.is_some());
         let (n_tasks, stride) = (plan.tasks(), plan.stride());
-        let mut scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let qs_len = tokens_q * qh * d;
+        let row0 = units.start * group;
+        let w0 = if units.is_empty() {
+            0
+        } else {
+            let (t, g) = unit_tg(units.start);
+            weight_offset(t, g)
+        };
+        let mut scratch = SCRATCH.take();
+        let qs_len = units.len() * group * d;
+        scratch.clear();
         scratch.resize(qs_len + n_tasks * stride, 0.0);
         let (qs, work) = scratch.split_at_mut(qs_len);
         let scale = shape.scale();
-        qs.iter_mut().zip(q).for_each(|(a, &b)| *a = b * scale);
+        qs.iter_mut()
+            .zip(&q[row0 * d..])
+            .for_each(|(a, &b)| *a = b * scale);
         let qs = &*qs;
         if let Some(c) = chosen.as_deref_mut() {
             c.clear();
@@ -475,9 +564,11 @@ impl CpuBackend {
             o.fill(0.0);
             let mut run = [Run::EMPTY; MAX_HEADS];
             let run = &mut run[..tk.hn];
-            let qrow = (tk.t * qh + tk.g * group + tk.h0) * d;
+            let qrow = (tk.t * qh + tk.g * group + tk.h0 - row0) * d;
             let qv = &qs[qrow..qrow + tk.hn * d];
             let sp = spec(tk.t, tk.g);
+            let kv = kv(tk.t);
+            let kv = &kv;
             let (a, b) = plan.bounds(sp.len(), tk.c);
             let so = match io.w.as_deref_mut() {
                 Some(w) => Some(ScoreOut {
@@ -524,7 +615,7 @@ impl CpuBackend {
                 }
             }
         };
-        match (&self.par, &self.pool) {
+        match (par, &self.pool) {
             (Par::Seq, _) => {
                 for (i, t) in io.iter_mut().enumerate() {
                     task_fn(i, t);
@@ -546,11 +637,10 @@ impl CpuBackend {
         drop(io);
         let work = &work[..n_tasks * stride];
         // Merge the chunks of each (token, head) row, exactly.
-        let (out_o, out_lse) = out.parts_mut();
         for (i, buf) in work.chunks(stride).enumerate() {
             let tk = plan.task(i);
             for h in 0..tk.hn {
-                let r = tk.t * qh + tk.g * group + tk.h0 + h;
+                let r = tk.t * qh + tk.g * group + tk.h0 + h - row0;
                 let (src, l) = (&buf[h * d..(h + 1) * d], buf[plan.hsub * d + h]);
                 let dst = &mut out_o[r * d..(r + 1) * d];
                 if tk.c == 0 {
@@ -570,13 +660,14 @@ impl CpuBackend {
                 let sc = &buf[plan.hsub * (d + 1)..];
                 for h in 0..tk.hn {
                     let hg = tk.h0 + h;
-                    let base = group * weight_offset(tk.g) + hg * len;
+                    let base = weight_offset(tk.t, tk.g) - w0 + hg * len;
                     let dst = &mut w[base + a..base + b];
                     dst.copy_from_slice(&sc[h * plan.scores..h * plan.scores + (b - a)]);
-                    exp_shifted(isa, dst, out_lse[tk.g * group + hg]);
+                    exp_shifted(isa, dst, out_lse[tk.t * qh + tk.g * group + hg - row0]);
                 }
             }
         }
+        SCRATCH.set(scratch);
     }
 }
 
@@ -699,6 +790,390 @@ impl CpuBackend {
         }
         dispatch!(self.isa, s => decay_simd(s, avg, at, a, w, stride, c));
         Ok(())
+    }
+}
+
+/// Which tokens of each sequence a batched decode attends.
+#[derive(Debug, Clone, Copy)]
+pub enum BatchTokens<'a> {
+    /// Every token of every sequence.
+    Dense,
+    /// Per sequence, its per-KV-head [`Selection`] (indices `< seq_len`).
+    Sparse(&'a [Selection]),
+}
+
+/// Shard `ith` of `nth` of a call, for running a call on the caller's own
+/// thread pool (as ggml runs custom ops): each shard computes a contiguous
+/// range of (sequence, KV head) units on the calling thread, without
+/// rayon, and the shards `0..nth` together give exactly the whole call's
+/// result. With more shards than units, some shards are empty.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    ith: usize,
+    nth: usize,
+}
+
+impl Shard {
+    /// Shard `ith` of `nth`.
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for `nth == 0`, [`Error::Index`] for `ith >= nth`.
+    pub fn new(ith: usize, nth: usize) -> Result<Self> {
+        if nth == 0 {
+            return Err(Error::Zero {
+                what: "nth (shards)",
+            });
+        }
+        if ith >= nth {
+            return Err(Error::Index {
+                what: "ith (shard)",
+                index: ith,
+                len: nth,
+            });
+        }
+        Ok(Self { ith, nth })
+    }
+    /// The whole call as one shard.
+    pub const WHOLE: Shard = Shard { ith: 0, nth: 1 };
+    /// This shard's part of `0..units`.
+    pub fn units(&self, units: usize) -> std::ops::Range<usize> {
+        // In u128: `units * nth` may not fit a usize.
+        let at = |i: usize| (units as u128 * i as u128 / self.nth as u128) as usize;
+        at(self.ith)..at(self.ith + 1)
+    }
+}
+
+/// Per-sequence offsets of a batch's weights: sequence `t`'s block starts
+/// at `base[t]`; inside it, KV head `g`'s `[group, len]` block.
+struct BatchWeights<'a> {
+    base: Vec<usize>,
+    group: usize,
+    sels: Option<&'a [Selection]>,
+    lens: Vec<usize>,
+}
+
+impl BatchWeights<'_> {
+    /// Offset of unit `u` (`t * kv_heads + g`), for `u <= batch * kv_heads`.
+    fn at(&self, kv_heads: usize, u: usize) -> usize {
+        let (t, g) = (u / kv_heads, u % kv_heads);
+        if t >= self.lens.len() {
+            return self.base[self.lens.len()];
+        }
+        self.base[t]
+            + match self.sels {
+                Some(s) => self.group * s[t].offset(g),
+                None => g * self.group * self.lens[t],
+            }
+    }
+}
+
+impl CpuBackend {
+    /// Batched varlen decode over an engine's paged cache: for each of the
+    /// `B = kv.batch()` sequences, its query `q[b] [q_heads, d]` attends
+    /// its own tokens (all of them, or its selection), in one call,
+    /// parallel over (sequence, KV head, token chunk) with the exact LSE
+    /// merge of chunks.
+    ///
+    /// - `out [B, q_heads, d]`; `lse [B, q_heads]` written in `fmt` (base
+    ///   and layout: [`LseFormat::FLASHINFER`], [`LseFormat::VLLM`], ...).
+    /// - `weights`, if given, receives the softmax weights of the attended
+    ///   entries, sequence after sequence: dense, `[q_heads, seq_len]` per
+    ///   sequence; sparse, per KV head `g` the block `[group,
+    ///   sel.head(g).len()]` at `group * sel.offset(g)` of the sequence's
+    ///   `group * sel.total()` (as [`SparseAttention::sparse_decode`]).
+    ///
+    /// ```
+    /// use hgca_cpu::{BatchTokens, CpuBackend};
+    /// use hgca_kernels::{AttnShape, BlockTable, LseFormat, PagedBatch, PagedPool};
+    /// let shape = AttnShape::new(2, 1, 4)?;
+    /// // FlashInfer NHD pages: 3 pages of 2 tokens, 1 KV head, d 4
+    /// let k = vec![0.25f32; 3 * 2 * 4];
+    /// let v: Vec<f32> = (0..3 * 2 * 4).map(|i| (i / 4) as f32).collect();
+    /// let pool = PagedPool::flashinfer_nhd(&k, &v, 3, 2, 1, 4)?;
+    /// // CSR: sequence 0 = pages [2, 0] (3 tokens), sequence 1 = page [1] (1 token)
+    /// let (indptr, indices, last) = ([0u32, 2, 3], [2u32, 0, 1], [1u32, 1]);
+    /// let batch = PagedBatch::new(pool, BlockTable::csr(&indptr, &indices, &last)?)?;
+    /// let q = vec![1.0f32; 2 * 2 * 4];
+    /// let (mut out, mut lse) = (vec![0.0; 2 * 2 * 4], vec![0.0; 2 * 2]);
+    /// CpuBackend::new().decode_batch(&shape, &q, &batch, BatchTokens::Dense, &mut out, &mut lse, LseFormat::NATURAL, None)?;
+    /// // equal scores: sequence 0 averages the values of tokens 4, 5 (page 2) and 0 (page 0)
+    /// assert!((out[0] - (4.0 + 5.0 + 0.0) / 3.0).abs() < 1e-6);
+    /// assert_eq!(out[2 * 4], 2.0); // sequence 1: token 0 of page 1
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Length`] naming the buffer that does not fit `B` and
+    /// `shape`, [`Error::ShapeMismatch`] for a pool of other heads or head
+    /// dim or a selection list count that is not `B`, [`Error::Index`] for a
+    /// selected token `>= seq_len`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_batch<T: SimdElem>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &PagedBatch<'_, T>,
+        tokens: BatchTokens<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+        fmt: LseFormat,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let rows = kv.batch() * shape.q_heads();
+        check_len("lse", rows, lse.len())?;
+        let mut natural = if fmt == LseFormat::NATURAL {
+            None
+        } else {
+            Some(vec![0.0f32; rows])
+        };
+        let l = natural.as_deref_mut().unwrap_or(&mut *lse);
+        self.batch_job(
+            shape,
+            q,
+            kv,
+            tokens,
+            Shard::WHOLE,
+            self.par,
+            out,
+            l,
+            weights,
+        )?;
+        if let Some(n) = natural {
+            fmt.write(&n, kv.batch(), shape.q_heads(), lse)?;
+        }
+        Ok(())
+    }
+
+    /// Query rows (`b * q_heads + h`) that `shard` of a batched decode of
+    /// `batch` sequences computes: its `out` holds these rows (`rows.len() *
+    /// d`), its `lse` one entry each, its `weights` the range
+    /// [`CpuBackend::shard_weights`] gives.
+    pub fn shard_rows(shape: &AttnShape, batch: usize, shard: Shard) -> std::ops::Range<usize> {
+        let u = shard.units(batch * shape.kv_heads());
+        u.start * shape.group()..u.end * shape.group()
+    }
+
+    /// The part of a batched decode's `weights` (as [`CpuBackend::decode_batch`]
+    /// lays them out) that `shard` writes.
+    pub fn shard_weights<T: SimdElem>(
+        shape: &AttnShape,
+        kv: &PagedBatch<'_, T>,
+        tokens: BatchTokens<'_>,
+        shard: Shard,
+    ) -> std::ops::Range<usize> {
+        let hk = shape.kv_heads();
+        let u = shard.units(kv.batch() * hk);
+        let w = batch_weights(shape, kv, tokens);
+        w.at(hk, u.start)..w.at(hk, u.end)
+    }
+
+    /// Shard `shard` of [`CpuBackend::decode_batch`], computed on the
+    /// calling thread (no rayon, whatever this backend's [`Par`]): `out`,
+    /// `lse` and `weights` are this shard's parts only
+    /// ([`CpuBackend::shard_rows`], [`CpuBackend::shard_weights`]), so each
+    /// thread of the caller's pool writes its own slices. `lse` is in
+    /// `fmt.base`, in row order: a shard's rows are not a `[heads,
+    /// tokens]` block, so `fmt.layout` must be `TokensHeads`.
+    ///
+    /// ```
+    /// use hgca_cpu::{BatchTokens, CpuBackend, Shard};
+    /// use hgca_kernels::{AttnShape, BlockTable, LseFormat, PagedBatch, PagedPool};
+    /// let shape = AttnShape::new(4, 2, 8)?;
+    /// let kv: Vec<f32> = (0..2 * 4 * 2 * 16 * 8).map(|i| (i % 7) as f32 * 0.1).collect();
+    /// let pool = PagedPool::vllm_cpu(&kv, 4, 2, 16, 8)?;
+    /// let (table, lens) = ([0u32, 1, 2, 3], [30u32, 20]);
+    /// let batch = PagedBatch::new(pool, BlockTable::dense(&table, 2, &lens)?)?;
+    /// let q = vec![0.5f32; 2 * 4 * 8];
+    /// let (mut out, mut lse) = (vec![0.0; 2 * 4 * 8], vec![0.0; 2 * 4]);
+    /// let (o, l) = (out.as_mut_slice(), lse.as_mut_slice());
+    /// // three shards on three threads, each writing its own rows
+    /// std::thread::scope(|s| {
+    ///     let (mut o, mut l) = (o, l);
+    ///     for ith in 0..3 {
+    ///         let shard = Shard::new(ith, 3).unwrap();
+    ///         let rows = CpuBackend::shard_rows(&shape, 2, shard).len();
+    ///         let (so, ro) = std::mem::take(&mut o).split_at_mut(rows * 8);
+    ///         let (sl, rl) = std::mem::take(&mut l).split_at_mut(rows);
+    ///         (o, l) = (ro, rl);
+    ///         let (q, batch) = (&q, &batch);
+    ///         s.spawn(move || {
+    ///             CpuBackend::new().decode_batch_shard(shard, &shape, q, batch, BatchTokens::Dense,
+    ///                 so, sl, LseFormat::NATURAL, None).unwrap()
+    ///         });
+    ///     }
+    /// });
+    /// let (mut whole, mut wl) = (vec![0.0; 2 * 4 * 8], vec![0.0; 2 * 4]);
+    /// CpuBackend::new().decode_batch(&shape, &q, &batch, BatchTokens::Dense, &mut whole, &mut wl, LseFormat::NATURAL, None)?;
+    /// assert_eq!((out, lse), (whole, wl));
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`CpuBackend::decode_batch`] (lengths are the shard's);
+    /// [`Error::Param`] for a `[heads, tokens]` `fmt`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_batch_shard<T: SimdElem>(
+        &self,
+        shard: Shard,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &PagedBatch<'_, T>,
+        tokens: BatchTokens<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+        fmt: LseFormat,
+        weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if fmt.layout != LseLayout::TokensHeads {
+            return Err(Error::Param {
+                what: "lse layout of a shard",
+                value: 0.0,
+                expected: "TokensHeads: a shard writes its rows in order",
+            });
+        }
+        self.batch_job(shape, q, kv, tokens, shard, Par::Seq, out, lse, weights)?;
+        lse.iter_mut().for_each(|x| *x = fmt.from_natural(*x));
+        Ok(())
+    }
+
+    /// Checks and runs (a shard of) a batched decode; lse in natural log.
+    #[allow(clippy::too_many_arguments)]
+    fn batch_job<T: SimdElem>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        kv: &PagedBatch<'_, T>,
+        tokens: BatchTokens<'_>,
+        shard: Shard,
+        par: Par,
+        out: &mut [f32],
+        lse: &mut [f32],
+        weights: Option<&mut [f32]>,
+    ) -> Result<()> {
+        let b = kv.batch();
+        let (hk, d) = (shape.kv_heads(), shape.head_dim());
+        kv.check_shape(shape)?;
+        check_len("q [batch, q_heads, d]", b * shape.q_len(), q.len())?;
+        if let BatchTokens::Sparse(sels) = tokens {
+            if sels.len() != b {
+                return Err(Error::ShapeMismatch {
+                    what: "selections (one per sequence)",
+                    expected: b.to_string(),
+                    found: sels.len().to_string(),
+                });
+            }
+            for (t, s) in sels.iter().enumerate() {
+                s.validate(hk, kv.seq_len(t))?;
+            }
+        }
+        let rows = Self::shard_rows(shape, b, shard);
+        check_len("out", rows.len() * d, out.len())?;
+        check_len("lse", rows.len(), lse.len())?;
+        let bw = batch_weights(shape, kv, tokens);
+        let units = shard.units(b * hk);
+        if let Some(w) = &weights {
+            check_len(
+                "weights",
+                bw.at(hk, units.end) - bw.at(hk, units.start),
+                w.len(),
+            )?;
+        }
+        let seq = |t: usize| kv.seq(t).expect("t < batch: units are inside the batch");
+        let job = Job {
+            units,
+            kv: seq,
+            spec: |t: usize, g: usize| match tokens {
+                BatchTokens::Dense => Spec::Range(0, kv.seq_len(t)),
+                BatchTokens::Sparse(s) => Spec::List(s[t].head(g)),
+            },
+            weight_offset: |t: usize, g: usize| bw.at(hk, t * hk + g),
+            par,
+        };
+        self.run(shape, q, job, out, lse, weights, None);
+        Ok(())
+    }
+
+    /// Upper bounds of the scores of each of `seq`'s pages, per KV head:
+    /// `out [kv_heads, pages]` (pages in `seq.pages()` order) gets, for KV
+    /// head `g` and page slot `p`, the largest over `g`'s query heads of
+    /// `scale * Σ_i max(q_i lo_i, q_i hi_i)` with the page's key bounds:
+    /// no score of a key of the page exceeds it. Feed it to
+    /// [`hgca_kernels::select_top_pages`] or [`hgca_kernels::select_by_mass`].
+    ///
+    /// # Errors
+    /// [`Error::Length`] for `q` or `out`, [`Error::ShapeMismatch`] for a
+    /// sequence of other heads, [`Error::Param`] when the bounds of a page
+    /// cover fewer tokens than the sequence holds there (update them first).
+    pub fn page_upper_bounds<T: SimdElem>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        seq: &PagedSeq<'_, T>,
+        bounds: &PageBounds<T>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        seq.check_shape(shape)?;
+        check_len("q", shape.q_len(), q.len())?;
+        let pages = seq.pages();
+        let (hk, d, group) = (shape.kv_heads(), shape.head_dim(), shape.group());
+        check_len(
+            "page upper bounds (kv_heads * pages)",
+            hk * pages.len(),
+            out.len(),
+        )?;
+        let bs = seq.pool().layout().block_size;
+        for (slot, &p) in pages.iter().enumerate() {
+            let holds = seq.tokens().saturating_sub(slot * bs).min(bs);
+            if bounds.filled(p as usize) < holds {
+                return Err(Error::Param {
+                    what: "page bounds (tokens covered)",
+                    value: bounds.filled(p as usize) as f64,
+                    expected: "at least the tokens the sequence holds in the page: update the bounds",
+                });
+            }
+        }
+        let mut ub = vec![0.0f32; group];
+        let scale = shape.scale();
+        for g in 0..hk {
+            let qg = &q[g * group * d..(g + 1) * group * d];
+            for (slot, &p) in pages.iter().enumerate() {
+                let b = bounds
+                    .page(p as usize, g)
+                    .expect("checked: the page holds tokens");
+                self.block_upper_bounds(qg, group, d, b, &mut ub)?;
+                out[g * pages.len() + slot] =
+                    ub.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) * scale;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn batch_weights<'a, T: SimdElem>(
+    shape: &AttnShape,
+    kv: &PagedBatch<'_, T>,
+    tokens: BatchTokens<'a>,
+) -> BatchWeights<'a> {
+    let group = shape.group();
+    let lens: Vec<usize> = (0..kv.batch()).map(|t| kv.seq_len(t)).collect();
+    let sels = match tokens {
+        BatchTokens::Dense => None,
+        BatchTokens::Sparse(s) => Some(s),
+    };
+    let mut base = Vec::with_capacity(lens.len() + 1);
+    base.push(0);
+    for (t, &len) in lens.iter().enumerate() {
+        let n = match sels {
+            Some(s) => group * s.get(t).map_or(0, Selection::total),
+            None => shape.q_heads() * len,
+        };
+        base.push(base[t] + n);
+    }
+    BatchWeights {
+        base,
+        group,
+        sels,
+        lens,
     }
 }
 
@@ -916,13 +1391,14 @@ impl SparseAttention for CpuBackend {
         if let Some(w) = &weights {
             check_len("weights", shape.group() * sel.total(), w.len())?;
         }
-        self.run(
+        let group = shape.group();
+        self.run_whole(
             shape,
             q,
             1,
-            kv,
+            |_| kv,
             |_, g| Spec::List(sel.head(g)),
-            |g| sel.offset(g),
+            |_, g| group * sel.offset(g),
             out,
             weights,
             None,

@@ -19,6 +19,6 @@ pub mod isa;
 mod kernel;
 mod window;
 
-pub use backend::{CpuBackend, Par};
+pub use backend::{BatchTokens, CpuBackend, Par, Shard};
 pub use isa::{Isa, IsaKind};
 pub use window::{CpuPending, CpuWindow};

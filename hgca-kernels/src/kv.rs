@@ -38,6 +38,26 @@ pub trait KvSource<T: KvElem>: Sync {
     }
 }
 
+impl<T: KvElem, S: KvSource<T> + ?Sized> KvSource<T> for &S {
+    fn kv_heads(&self) -> usize {
+        (**self).kv_heads()
+    }
+    fn head_dim(&self) -> usize {
+        (**self).head_dim()
+    }
+    fn tokens(&self) -> usize {
+        (**self).tokens()
+    }
+    #[inline(always)]
+    fn k_row(&self, h: usize, j: usize) -> &[T] {
+        (**self).k_row(h, j)
+    }
+    #[inline(always)]
+    fn v_row(&self, h: usize, j: usize) -> &[T] {
+        (**self).v_row(h, j)
+    }
+}
+
 /// Contiguous head-major K and V slices, `[kv_heads, tokens, d]` each.
 #[derive(Debug, Clone, Copy)]
 pub struct KvSlices<'a, T> {
@@ -220,9 +240,8 @@ impl<T: KvElem> KvStore<T> {
     /// # Errors
     /// [`Error::Length`] when `k` or `v` does not hold `kv_heads * n * d`.
     pub fn push_head_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()> {
-        let (hk, d) = (self.kv_heads, self.head_dim);
-        check_len("k", hk * n * d, k.len())?;
-        check_len("v", hk * n * d, v.len())?;
+        let d = self.head_dim;
+        self.check_push(n, k, v)?;
         self.push_with(n, |h, i| (h * n + i) * d, k, v)
     }
     /// Appends `n` tokens given token-major, `[n, kv_heads, d]` (the layout
@@ -232,9 +251,20 @@ impl<T: KvElem> KvStore<T> {
     /// [`Error::Length`] when `k` or `v` does not hold `n * kv_heads * d`.
     pub fn push_token_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()> {
         let (hk, d) = (self.kv_heads, self.head_dim);
-        check_len("k", hk * n * d, k.len())?;
-        check_len("v", hk * n * d, v.len())?;
+        self.check_push(n, k, v)?;
         self.push_with(n, |h, i| (i * hk + h) * d, k, v)
+    }
+    /// `k` and `v` hold `kv_heads * n * d` elements (the count checked for overflow).
+    fn check_push(&self, n: usize, k: &[T], v: &[T]) -> Result<()> {
+        let count = (self.kv_heads * self.head_dim)
+            .checked_mul(n)
+            .ok_or(Error::Capacity {
+                what: "kv store tokens to push",
+                capacity: usize::MAX / (self.kv_heads * self.head_dim),
+                requested: n,
+            })?;
+        check_len("k", count, k.len())?;
+        check_len("v", count, v.len())
     }
     fn push_with(
         &mut self,
