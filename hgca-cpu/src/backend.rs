@@ -475,6 +475,7 @@ impl CpuBackend {
     /// Scratch is the calling thread's own (taken out of a thread-local for
     /// the call, so a nested call from a task of the same thread finds it
     /// empty and allocates): no lock is held across the parallel work.
+    #[allow(clippy::too_many_arguments)]
     fn run<'s, T: SimdElem, K: KvSource<T>>(
         &self,
         shape: &AttnShape,

@@ -12,6 +12,9 @@ use hgca_testkit::{
 };
 use proptest::prelude::*;
 
+#[path = "conformance/paged.rs"]
+mod paged;
+
 /// The backend for `kind`, or `None` (skip, with the reason printed) when
 /// the CPU lacks it. `HGCA_REQUIRE_ISAS=v3,v4` turns the skip into a failure.
 fn backend(kind: IsaKind, par: Par) -> Option<CpuBackend> {
@@ -426,6 +429,35 @@ macro_rules! isa_suite {
             }
 
             #[test]
+            fn paged_layouts_edge_table() {
+                for par in [Par::Seq, Par::Rayon(3)] {
+                    if let Some(b) = backend($kind, par) {
+                        paged::edge_table(&b);
+                    }
+                }
+            }
+
+            #[test]
+            fn paged_shards_equal_the_whole_call() {
+                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
+                for nth in [1, 2, 3, 5, 16, 40] {
+                    for sparse in [false, true] {
+                        let r = paged::shards_case(&b, nth, sparse, nth as u64);
+                        assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+            }
+
+            #[test]
+            fn paged_page_bounds_and_selectors() {
+                let Some(b) = backend($kind, Par::Seq) else { return };
+                for seed in 0..6 {
+                    let r = paged::page_selection_case(&b, seed);
+                    assert!(r.is_ok(), "{}", r.unwrap_err());
+                }
+            }
+
+            #[test]
             fn isa_is_the_one_asked_for() {
                 if let Some(b) = backend($kind, Par::Seq) {
                     assert_eq!(b.isa().kind(), $kind);
@@ -447,6 +479,24 @@ macro_rules! isa_suite {
                 ) {
                     if let Some(b) = backend($kind, pars()[par]) {
                         let r = sparse_case(&b, dtype, shape, tokens, spread, seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn paged_batch_matches_reference(
+                    shape in arb_shape(),
+                    kind in prop::sample::select(paged::KINDS.to_vec()),
+                    bs in prop::sample::select(vec![1usize, 3, 16, 64]),
+                    lens in prop::collection::vec(0usize..200, 1..5),
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    sparse in any::<bool>(),
+                    fmt in prop::sample::select(paged::FORMATS.to_vec()),
+                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = paged::dispatch_case(&b, dtype, kind, bs, shape, &lens, sparse, fmt, seed);
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                     }
                 }
@@ -771,4 +821,138 @@ fn bad_input_is_a_typed_error() {
         )
         .is_err()
     );
+}
+
+#[test]
+fn paged_bad_input_is_a_typed_error() {
+    paged::bad_input_table();
+}
+
+/// A fixed batched decode (4 sequences, f16, vLLM/FlashAttention layout)
+/// and the closure that runs it on a backend.
+struct SharedCase {
+    shape: AttnShape,
+    cache: paged::Cache<f16>,
+    q: Vec<f32>,
+    sels: Vec<Selection>,
+}
+
+impl SharedCase {
+    fn new() -> Self {
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let mut rng = Rng::new(77);
+        let probs: Vec<Problem<f16>> = [700usize, 300, 1, 520]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| Problem::random(shape, n, 8.0, 100 + i as u64))
+            .collect();
+        let cache = paged::Cache::build(paged::Kind::VllmFlash, 16, &probs, &mut rng);
+        let sels = probs
+            .iter()
+            .map(|p| selection(&mut rng, 2, p.tokens))
+            .collect();
+        let q = probs.iter().flat_map(|p| p.q.iter().copied()).collect();
+        Self {
+            shape,
+            cache,
+            q,
+            sels,
+        }
+    }
+    /// `(out, lse)` of call `i` (dense for even `i`, sparse for odd).
+    fn call(&self, cpu: &CpuBackend, i: usize) -> (Vec<f32>, Vec<f32>) {
+        let t = self.cache.tables();
+        let table = hgca_kernels::BlockTable::dense(&t.dense, t.max_blocks, &t.lens).unwrap();
+        let batch = hgca_kernels::PagedBatch::new(self.cache.pool(), table).unwrap();
+        let tokens = if i.is_multiple_of(2) {
+            hgca_cpu::BatchTokens::Dense
+        } else {
+            hgca_cpu::BatchTokens::Sparse(&self.sels)
+        };
+        let (mut o, mut l) = (vec![f32::NAN; 4 * 8 * 64], vec![f32::NAN; 4 * 8]);
+        cpu.decode_batch(
+            &self.shape,
+            &self.q,
+            &batch,
+            tokens,
+            &mut o,
+            &mut l,
+            hgca_kernels::LseFormat::NATURAL,
+            None,
+        )
+        .unwrap();
+        (o, l)
+    }
+}
+
+/// Runs `f` on another thread and fails if it does not end in `secs`
+/// (a deadlock fails the test instead of hanging CI).
+fn within_secs(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let h = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(()) => h.join().unwrap(),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+            std::panic::resume_unwind(h.join().unwrap_err())
+        }
+        Err(_) => panic!("not finished after {secs} s: deadlock?"),
+    }
+}
+
+/// 8 threads x 200 calls on one shared backend (sequential calls and
+/// calls on the backend's own 2-thread pool) all finish and give, bit for
+/// bit, what one thread gives.
+#[test]
+fn shared_backend_from_8_threads_matches_one_thread() {
+    within_secs(600, || {
+        let case = std::sync::Arc::new(SharedCase::new());
+        for par in [Par::Seq, Par::Rayon(2)] {
+            let cpu = CpuBackend::new().with_par(par).unwrap();
+            let want: Vec<_> = (0..2).map(|i| case.call(&cpu, i)).collect();
+            std::thread::scope(|s| {
+                for t in 0..8 {
+                    let (cpu, case, want) = (&cpu, &case, &want);
+                    s.spawn(move || {
+                        for i in 0..200 {
+                            let got = case.call(cpu, t + i);
+                            assert!(
+                                got == want[(t + i) % 2],
+                                "{par:?} thread {t} call {i} differs"
+                            );
+                        }
+                    });
+                }
+            });
+        }
+    });
+}
+
+/// Calls made from inside the backend's own pool (its tasks, through
+/// `for_chunks`) and from inside `rayon::scope` on the global pool that a
+/// `Par::Rayon(0)` backend uses: they finish (no lock is held across the
+/// parallel work) and match the calls made outside.
+#[test]
+fn calls_from_inside_the_backends_pool_finish() {
+    within_secs(600, || {
+        let case = SharedCase::new();
+        let own = CpuBackend::new().with_par(Par::Rayon(2)).unwrap();
+        let want = [case.call(&own, 0), case.call(&own, 1)];
+        let mut slots = vec![0usize; 16];
+        own.for_chunks(&mut slots, 1, |i, _| {
+            assert!(case.call(&own, i) == want[i % 2], "own pool task {i}");
+        });
+        let global = CpuBackend::new().with_par(Par::Rayon(0)).unwrap();
+        let want = [case.call(&global, 0), case.call(&global, 1)];
+        rayon::scope(|s| {
+            for i in 0..16 {
+                let (case, global, want) = (&case, &global, &want);
+                s.spawn(move |_| {
+                    assert!(case.call(global, i) == want[i % 2], "rayon::scope task {i}");
+                });
+            }
+        });
+    });
 }
