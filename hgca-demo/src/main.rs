@@ -176,7 +176,6 @@ fn config(a: &Args, rule: Rule, window_ratio: f64, beta: f32) -> HybridConfig {
         sinks: 4,
         beta,
         recovery,
-        dtype: DType::F16,
         ..HybridConfig::default()
     }
 }

@@ -547,7 +547,6 @@ fn hybrid_batch_case<T: KvElem>(gpu: &WgpuBackend) {
         block: 16,
         beta: 0.5,
         recovery: Recovery::BlockBounds { top: 1 },
-        dtype: T::DTYPE,
         ..HybridConfig::default()
     };
     let cpu = hgca_cpu::CpuBackend::new();

@@ -3,7 +3,7 @@
 use hgca_cpu::CpuBackend;
 use hgca_hybrid::synthetic::{Harness, Synth, SynthSpec};
 use hgca_hybrid::{HybridAttention, HybridConfig, Recovery};
-use hgca_kernels::{AttnShape, DType, f16};
+use hgca_kernels::{AttnShape, f16};
 
 fn main() -> Result<(), hgca_kernels::Error> {
     let args: Vec<String> = std::env::args().collect();
@@ -20,7 +20,6 @@ fn main() -> Result<(), hgca_kernels::Error> {
         window: context / 4,
         block: 64,
         recovery,
-        dtype: DType::F16,
         ..HybridConfig::default()
     };
     let cpu = CpuBackend::new();

@@ -4,7 +4,8 @@ use std::time::{Duration, Instant};
 
 use hgca_cpu::CpuBackend;
 use hgca_kernels::{
-    AttnShape, DenseAttention, Error, KvElem, Result, Selection, SparseAttention, check_len,
+    AttnShape, CpuStore, DenseAttention, Error, KvElem, KvStore, Result, Selection,
+    SparseAttention, check_len,
 };
 
 use crate::engine::{Seq, Shared};
@@ -37,7 +38,7 @@ impl SeqId {
 /// use hgca_hybrid::{HybridBatch, HybridConfig};
 /// use hgca_kernels::{AttnShape, DType};
 /// let shape = AttnShape::new(4, 2, 16)?;
-/// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+/// let cfg = HybridConfig { window: 64, block: 16, ..HybridConfig::default() };
 /// let mut batch = HybridBatch::<_, _, f32>::cpu(shape, cfg)?;
 /// let a = batch.add()?;
 /// let b = batch.add()?;
@@ -58,10 +59,15 @@ impl SeqId {
 /// # Ok::<(), hgca_kernels::Error>(())
 /// ```
 #[derive(Debug)]
-pub struct HybridBatch<D: DenseAttention, S: SparseAttention, T: KvElem> {
+pub struct HybridBatch<
+    D: DenseAttention,
+    S: SparseAttention,
+    T: KvElem,
+    C: CpuStore<T> = KvStore<T>,
+> {
     l: Shared<D, S>,
     /// Sequences in the order they were added, by id.
-    seqs: Vec<(SeqId, Seq<D, T>)>,
+    seqs: Vec<(SeqId, Seq<D, T, C>)>,
     next: u64,
     last_step: Duration,
 }
@@ -78,6 +84,19 @@ impl<T: KvElem> HybridBatch<CpuBackend, CpuBackend, T> {
 }
 
 impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
+    /// Adds an empty sequence (a new window on the dense backend, a new
+    /// [`KvStore`]).
+    ///
+    /// # Errors
+    /// Backend errors creating the window (device memory).
+    pub fn add(&mut self) -> Result<SeqId> {
+        let s = &self.l.shape;
+        let store = KvStore::new(s.kv_heads(), s.head_dim(), self.l.cfg.block)?;
+        self.add_with_store(store)
+    }
+}
+
+impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridBatch<D, S, T, C> {
     /// An empty batch with `dense` owning the windows and `sparse` attending
     /// the CPU stores.
     ///
@@ -85,7 +104,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
     /// As [`crate::HybridAttention::new`], for the configuration.
     pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
         Ok(Self {
-            l: Shared::new::<T>(shape, cfg, dense, sparse)?,
+            l: Shared::new(shape, cfg, dense, sparse)?,
             seqs: Vec::new(),
             next: 0,
             last_step: Duration::ZERO,
@@ -109,12 +128,13 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridBatch<D, S, T> {
         &self.l.cfg
     }
 
-    /// Adds an empty sequence (a new window on the dense backend).
+    /// Adds an empty sequence over a CPU store of the caller's (see
+    /// [`crate::HybridAttention::with_store`]).
     ///
     /// # Errors
-    /// Backend errors creating the window (device memory).
-    pub fn add(&mut self) -> Result<SeqId> {
-        let seq = Seq::new(&self.l)?;
+    /// As [`crate::HybridAttention::with_store`]; backend errors creating the window.
+    pub fn add_with_store(&mut self, store: C) -> Result<SeqId> {
+        let seq = Seq::new(&self.l, store)?;
         let id = SeqId(self.next);
         self.next += 1;
         self.seqs.push((id, seq));

@@ -4,8 +4,8 @@ use std::time::{Duration, Instant};
 
 use hgca_cpu::CpuBackend;
 use hgca_kernels::{
-    Alpha, AttnShape, Beta, DType, DenseAttention, Error, KvElem, KvSource, KvStore, KvWindow,
-    Partial, PartialLayout, Result, Selection, SparseAttention, WindowSpec, check_len, merge_into,
+    Alpha, AttnShape, Beta, CpuStore, DenseAttention, Error, KvElem, KvStore, KvWindow, Partial,
+    PartialLayout, Result, Selection, SparseAttention, WindowSpec, check_len, merge_into,
 };
 
 use crate::SequenceAttention;
@@ -55,14 +55,13 @@ pub struct HybridConfig {
     /// see the chunk's last few tokens). 1 is the chunk's last query alone;
     /// a chunk shorter than `refresh_queries` uses all its queries.
     pub refresh_queries: usize,
-    /// KV storage type on both sides.
-    pub dtype: DType,
 }
 
 impl Default for HybridConfig {
     /// Window 1024 tokens, blocks of 64, 4 sinks, beta 1.0, alpha 0.9,
     /// block-bound recovery of the top 32 blocks per step (it measured
-    /// better than periodic re-scoring under attention shifts), f16 KV.
+    /// better than periodic re-scoring under attention shifts). The KV
+    /// storage type is the layer's type parameter, on both sides.
     fn default() -> Self {
         Self {
             window: 1024,
@@ -73,7 +72,6 @@ impl Default for HybridConfig {
             alpha: 0.9,
             recovery: Recovery::BlockBounds { top: 32 },
             refresh_queries: 1,
-            dtype: DType::F16,
         }
     }
 }
@@ -178,21 +176,9 @@ pub(crate) struct Shared<D, S> {
 }
 
 impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
-    /// Validates `cfg` for `shape` and storage type `T`.
-    pub(crate) fn new<T: KvElem>(
-        shape: AttnShape,
-        cfg: HybridConfig,
-        dense: D,
-        sparse: S,
-    ) -> Result<Self> {
+    /// Validates `cfg` for `shape`.
+    pub(crate) fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
         let (beta, alpha) = cfg.validate(&shape)?;
-        if T::DTYPE != cfg.dtype {
-            return Err(Error::UnsupportedDType {
-                dtype: cfg.dtype,
-                backend: "hybrid",
-                reason: format!("the layer stores {}", T::DTYPE),
-            });
-        }
         Ok(Self {
             shape,
             cfg,
@@ -219,7 +205,7 @@ impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
 /// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
 /// use hgca_kernels::{AttnShape, DType};
 /// let shape = AttnShape::new(4, 2, 16)?;
-/// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+/// let cfg = HybridConfig { window: 64, block: 16, ..HybridConfig::default() };
 /// let mut layer = HybridAttention::<_, _, f32>::cpu(shape, cfg)?;
 /// let mut out = vec![0.0; 4 * 16];
 /// for t in 0..200 {
@@ -236,18 +222,23 @@ impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
 /// # Ok::<(), hgca_kernels::Error>(())
 /// ```
 #[derive(Debug)]
-pub struct HybridAttention<D: DenseAttention, S: SparseAttention, T: KvElem> {
+pub struct HybridAttention<
+    D: DenseAttention,
+    S: SparseAttention,
+    T: KvElem,
+    C: CpuStore<T> = KvStore<T>,
+> {
     l: Shared<D, S>,
-    seq: Seq<D, T>,
+    seq: Seq<D, T, C>,
 }
 
 /// One sequence's cache (window and CPU store) and selection state.
-pub(crate) struct Seq<D: DenseAttention, T: KvElem> {
+pub(crate) struct Seq<D: DenseAttention, T: KvElem, C> {
     window: D::Window,
     /// MAW of the window's tokens, `[kv_heads][capacity]`, in the window's ring order.
     win_maw: Vec<f32>,
     win_head: usize,
-    store: KvStore<T>,
+    store: C,
     /// MAW of the CPU entries, per KV head.
     maw: Vec<HeadMaw>,
     /// Per KV head, per store block: elementwise min and max of its keys (`[2, d]`).
@@ -372,13 +363,15 @@ impl<T: KvElem> HybridAttention<CpuBackend, CpuBackend, T> {
 }
 
 impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> {
-    /// A layer with `dense` owning the window and `sparse` attending the CPU store.
+    /// A layer with `dense` owning the window (KV stored as `T`) and
+    /// `sparse` attending the CPU store, hgca's own [`KvStore`] (see
+    /// [`Self::with_store`] for another).
     ///
     /// # Errors
     /// [`Error::Zero`], [`Error::Param`], [`Error::Capacity`] for a bad
     /// config (block 0 or not a power of two, window smaller than a block,
     /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`]
-    /// when `T` is not `cfg.dtype`; backend errors creating the window.
+    /// when the dense backend cannot store `T`; backend errors creating the window.
     ///
     /// One backend can serve every layer of a model: `&B` and `Arc<B>` are
     /// backends wherever `B` is (a GPU context need not be `Clone`).
@@ -389,7 +382,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
     /// use hgca_kernels::{AttnShape, DType};
     /// let (shape, cpu) = (AttnShape::new(4, 2, 8)?, Arc::new(CpuBackend::new()));
-    /// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+    /// let cfg = HybridConfig { window: 64, block: 16, ..HybridConfig::default() };
     /// let mut layers = (0..4)
     ///     .map(|_| HybridAttention::<_, _, f32>::new(shape, cfg.clone(), Arc::clone(&cpu), &*cpu))
     ///     .collect::<Result<Vec<_>, _>>()?;
@@ -401,9 +394,35 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// # Ok::<(), hgca_kernels::Error>(())
     /// ```
     pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
-        let l = Shared::new::<T>(shape, cfg, dense, sparse)?;
-        let seq = Seq::new(&l)?;
+        let store = KvStore::new(shape.kv_heads(), shape.head_dim(), cfg.block)?;
+        Self::with_store(shape, cfg, dense, sparse, store)
+    }
+}
+
+impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAttention<D, S, T, C> {
+    /// A layer over a CPU store of the caller's (an engine's own pages,
+    /// through [`CpuStore`]): evicted window rows are pushed into it and the
+    /// CPU side reads them where they lie. The store must be empty.
+    ///
+    /// # Errors
+    /// As [`HybridAttention::new`]; [`Error::ShapeMismatch`] for a store of
+    /// other heads or head dim, [`Error::Capacity`] for a store that
+    /// already holds tokens.
+    pub fn with_store(
+        shape: AttnShape,
+        cfg: HybridConfig,
+        dense: D,
+        sparse: S,
+        store: C,
+    ) -> Result<Self> {
+        let l = Shared::new(shape, cfg, dense, sparse)?;
+        let seq = Seq::new(&l, store)?;
         Ok(Self { l, seq })
+    }
+
+    /// The CPU store (sequence positions `0..cpu_tokens()`).
+    pub fn store(&self) -> &C {
+        &self.seq.store
     }
 
     /// Sets the CPU backend of the layer's own CPU work: selection (block
@@ -418,7 +437,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// use hgca_hybrid::{HybridAttention, HybridConfig};
     /// use hgca_kernels::{AttnShape, DType};
     /// let cpu = CpuBackend::new().with_par(Par::Seq)?;
-    /// let cfg = HybridConfig { window: 64, block: 16, dtype: DType::F32, ..HybridConfig::default() };
+    /// let cfg = HybridConfig { window: 64, block: 16, ..HybridConfig::default() };
     /// let layer = HybridAttention::<_, _, f32>::new(AttnShape::new(4, 2, 8)?, cfg.clone(), cpu.clone(), cpu.clone())?
     ///     .with_cpu(cpu.clone());
     /// assert_eq!(layer.cpu_backend().threads(), 1);
@@ -536,8 +555,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     }
 }
 
-impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
-    for HybridAttention<D, S, T>
+impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> SequenceAttention
+    for HybridAttention<D, S, T, C>
 {
     fn forward(
         &mut self,
@@ -555,7 +574,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> SequenceAttention
     }
 }
 
-impl<D: DenseAttention, T: KvElem> std::fmt::Debug for Seq<D, T> {
+impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> std::fmt::Debug for Seq<D, T, C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Seq")
             .field("window_tokens", &self.window.len())
@@ -582,19 +601,27 @@ pub(crate) struct Submitted<P> {
     submit: Duration,
 }
 
-impl<D: DenseAttention, T: KvElem> Seq<D, T> {
-    /// An empty sequence: a new window on `l.dense`, an empty store.
-    pub(crate) fn new<S>(l: &Shared<D, S>) -> Result<Self> {
+impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
+    /// An empty sequence: a new window on `l.dense`, over `store` (empty).
+    pub(crate) fn new<S>(l: &Shared<D, S>, store: C) -> Result<Self> {
         let (shape, cfg) = (l.shape, &l.cfg);
+        store.check_shape(&shape)?;
+        if store.tokens() != 0 {
+            return Err(Error::Capacity {
+                what: "tokens of a new sequence's CPU store (must be empty)",
+                capacity: 0,
+                requested: store.tokens(),
+            });
+        }
         let window = l
             .dense
-            .new_window(WindowSpec::new(shape, cfg.window, cfg.dtype)?)?;
+            .new_window(WindowSpec::new(shape, cfg.window, T::DTYPE)?)?;
         let hk = shape.kv_heads();
         Ok(Self {
             window,
             win_maw: vec![0.0; hk * cfg.window],
             win_head: 0,
-            store: KvStore::new(hk, shape.head_dim(), cfg.block)?,
+            store,
             maw: vec![HeadMaw::default(); hk],
             bounds: vec![Vec::new(); hk],
             sel: Selection::new(),

@@ -104,12 +104,12 @@ pub struct Plan {
 }
 
 impl Plan {
-    /// A [`HybridConfig`] with this plan's window, block and dtype, the rest default.
-    pub fn config(&self, dtype: DType) -> HybridConfig {
+    /// A [`HybridConfig`] with this plan's window and block, the rest
+    /// default (the KV dtype is the layer's type parameter).
+    pub fn config(&self) -> HybridConfig {
         HybridConfig {
             window: self.window,
             block: self.block,
-            dtype,
             ..HybridConfig::default()
         }
     }
@@ -330,7 +330,7 @@ mod tests {
     fn the_plan_makes_a_valid_layer() {
         let p = plan(&PlanRequest::new(llama8b(), 1, 1 << 16, 1 << 30)).unwrap();
         let shape = hgca_kernels::AttnShape::new(32, 8, 128).unwrap();
-        let cfg = p.config(DType::F16);
+        let cfg = p.config();
         assert!(crate::HybridAttention::<_, _, hgca_kernels::f16>::cpu(shape, cfg).is_ok());
     }
 }

@@ -2,7 +2,7 @@
 //! attend, against single-sequence layers.
 
 use hgca_hybrid::{HybridAttention, HybridBatch, HybridConfig, Recovery, SequenceAttention};
-use hgca_kernels::{AttnShape, DType, Error};
+use hgca_kernels::{AttnShape, Error};
 use hgca_testkit::Rng;
 
 fn tokens(rng: &mut Rng, n: usize, width: usize) -> Vec<f32> {
@@ -15,7 +15,6 @@ fn cfg(recovery: Recovery) -> HybridConfig {
         block: 16,
         beta: 0.5,
         recovery,
-        dtype: DType::F32,
         ..HybridConfig::default()
     }
 }

@@ -48,7 +48,7 @@ proptest! {
     ) {
         let shape = AttnShape::new(kv * g, kv, d).unwrap();
         let block = 1 << block_pow;
-        let cfg = HybridConfig { window: block * blocks, block, sinks: usize::MAX, dtype: DType::F32, ..HybridConfig::default() };
+        let cfg = HybridConfig { window: block * blocks, block, sinks: usize::MAX, ..HybridConfig::default() };
         let worst = run_both(shape, cfg, &chunks, seed);
         prop_assert!(worst < 2e-5, "max |hybrid - full| = {worst}");
     }
@@ -73,7 +73,6 @@ fn decode_is_exact_attention_over_the_selected_union() {
             block: 16,
             beta: 0.5,
             recovery,
-            dtype: DType::F32,
             ..HybridConfig::default()
         };
         let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
@@ -108,11 +107,10 @@ fn decode_is_exact_attention_over_the_selected_union() {
 fn f16_and_bf16_storage() {
     let shape = AttnShape::new(4, 2, 16).unwrap();
     let mut rng = Rng::new(1);
-    let cfg = |dtype| HybridConfig {
+    let cfg = |_dtype: DType| HybridConfig {
         window: 32,
         block: 8,
         sinks: usize::MAX,
-        dtype,
         ..HybridConfig::default()
     };
     let mut a = HybridAttention::<_, _, f16>::cpu(shape, cfg(DType::F16)).unwrap();
@@ -138,7 +136,6 @@ fn f16_and_bf16_storage() {
 fn bad_config_and_input_are_typed_errors() {
     let shape = AttnShape::new(4, 2, 8).unwrap();
     let base = HybridConfig {
-        dtype: DType::F32,
         window: 64,
         block: 16,
         ..HybridConfig::default()
@@ -183,8 +180,10 @@ fn bad_config_and_input_are_typed_errors() {
             "{cfg:?}"
         );
     }
-    let e = HybridAttention::<_, _, f16>::cpu(shape, base.clone()).unwrap_err();
-    assert!(matches!(e, Error::UnsupportedDType { .. }), "{e}");
+    // The KV dtype has one source, the type parameter: the window stores it.
+    use hgca_kernels::KvWindow;
+    let l16 = HybridAttention::<_, _, f16>::cpu(shape, base.clone()).unwrap();
+    assert_eq!(l16.window().spec().dtype, DType::F16);
     let mut layer = HybridAttention::<_, _, f32>::cpu(shape, base).unwrap();
     // Nothing attended yet: a zero-token forward is a valid no-op.
     layer.forward(&[], &[], &[], 0, &mut []).unwrap();
@@ -223,7 +222,6 @@ fn recovery_keeps_recall_under_attention_shift() {
             window: 1024,
             block: 64,
             recovery,
-            dtype: DType::F16,
             ..HybridConfig::default()
         };
         let cpu = hgca_cpu::CpuBackend::new();
@@ -293,7 +291,6 @@ fn maw_update_follows_the_formula() {
             beta: 0.5,
             alpha,
             recovery,
-            dtype: DType::F32,
             ..HybridConfig::default()
         };
         let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()).unwrap();
@@ -383,7 +380,6 @@ fn prompt_refresh_is_the_mean_weight_over_the_last_queries() {
             block: 8,
             refresh_queries: m,
             recovery: Recovery::Frozen,
-            dtype: DType::F32,
             ..HybridConfig::default()
         };
         let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
@@ -423,11 +419,196 @@ fn prompt_refresh_is_the_mean_weight_over_the_last_queries() {
     }
     let bad = HybridConfig {
         refresh_queries: 0,
-        dtype: DType::F32,
         ..HybridConfig::default()
     };
     assert!(matches!(
         HybridAttention::<_, _, f32>::cpu(shape, bad),
         Err(Error::Zero { .. })
+    ));
+}
+
+/// An engine's own CPU cache, as an engine would implement `CpuStore` over
+/// it: a fixed pool of pages in vLLM's CPU layout `(2, pages, kv_heads,
+/// block, d)` with a block size that is not a power of two, pages handed
+/// out in a shuffled order by its own allocator.
+struct EnginePages {
+    hk: usize,
+    d: usize,
+    bs: usize,
+    nb: usize,
+    pool: Vec<f32>,
+    free: Vec<u32>,
+    table: Vec<u32>,
+    len: usize,
+}
+
+impl EnginePages {
+    fn new(hk: usize, d: usize, bs: usize, nb: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        let mut free: Vec<u32> = (0..nb as u32).collect();
+        for i in (1..nb).rev() {
+            free.swap(i, rng.below(i + 1));
+        }
+        Self {
+            hk,
+            d,
+            bs,
+            nb,
+            pool: vec![f32::NAN; 2 * nb * hk * bs * d],
+            free,
+            table: Vec::new(),
+            len: 0,
+        }
+    }
+    fn at(&self, h: usize, j: usize) -> usize {
+        let p = self.table[j / self.bs] as usize;
+        ((p * self.hk + h) * self.bs + j % self.bs) * self.d
+    }
+    /// The cache as the library's own paged view (what the engine's kernels
+    /// and hgca's batched decode read).
+    fn view(&self) -> hgca_kernels::PagedSeq<'_, f32> {
+        let pool = hgca_kernels::PagedPool::vllm_cpu(&self.pool, self.nb, self.hk, self.bs, self.d)
+            .unwrap();
+        hgca_kernels::PagedSeq::new(pool, &self.table, self.len).unwrap()
+    }
+}
+
+impl hgca_kernels::KvSource<f32> for EnginePages {
+    fn kv_heads(&self) -> usize {
+        self.hk
+    }
+    fn head_dim(&self) -> usize {
+        self.d
+    }
+    fn tokens(&self) -> usize {
+        self.len
+    }
+    fn k_row(&self, h: usize, j: usize) -> &[f32] {
+        let o = self.at(h, j);
+        &self.pool[o..o + self.d]
+    }
+    fn v_row(&self, h: usize, j: usize) -> &[f32] {
+        let o = self.nb * self.hk * self.bs * self.d + self.at(h, j);
+        &self.pool[o..o + self.d]
+    }
+}
+
+impl hgca_kernels::CpuStore<f32> for EnginePages {
+    fn reserve(&mut self, n: usize) -> hgca_kernels::Result<()> {
+        let pages = (self.len + n).div_ceil(self.bs);
+        while self.table.len() < pages {
+            let p = self.free.pop().ok_or(Error::Capacity {
+                what: "engine pages",
+                capacity: self.nb * self.bs,
+                requested: self.len + n,
+            })?;
+            self.table.push(p);
+        }
+        Ok(())
+    }
+    fn push_head_major(&mut self, n: usize, k: &[f32], v: &[f32]) -> hgca_kernels::Result<()> {
+        hgca_kernels::check_len("k", self.hk * n * self.d, k.len())?;
+        hgca_kernels::check_len("v", self.hk * n * self.d, v.len())?;
+        self.reserve(n)?;
+        let (d, half) = (self.d, self.nb * self.hk * self.bs * self.d);
+        for h in 0..self.hk {
+            for i in 0..n {
+                let (o, s) = (self.at(h, self.len + i), (h * n + i) * d);
+                self.pool[o..o + d].copy_from_slice(&k[s..s + d]);
+                self.pool[half + o..half + o + d].copy_from_slice(&v[s..s + d]);
+            }
+        }
+        self.len += n;
+        Ok(())
+    }
+}
+
+/// The whole hybrid layer over an engine-owned store (`with_store`) gives,
+/// bit for bit, what it gives over hgca's own `KvStore`: prompt chunks,
+/// decode steps, evictions, every recovery rule; and the engine's cache
+/// then holds exactly the evicted rows, readable through a paged view.
+#[test]
+fn engine_owned_store_runs_the_whole_layer() {
+    let shape = AttnShape::new(8, 2, 24).unwrap();
+    for recovery in [
+        Recovery::Frozen,
+        Recovery::Rescore { every: 3 },
+        Recovery::BlockBounds { top: 2 },
+    ] {
+        let cfg = HybridConfig {
+            window: 32,
+            block: 8,
+            beta: 0.5,
+            recovery,
+            ..HybridConfig::default()
+        };
+        let cpu = hgca_cpu::CpuBackend::new();
+        let mut own =
+            HybridAttention::<_, _, f32>::new(shape, cfg.clone(), cpu.clone(), cpu.clone())
+                .unwrap();
+        let store = EnginePages::new(2, 24, 3, 200, 9);
+        let mut eng = HybridAttention::<_, _, f32, EnginePages>::with_store(
+            shape,
+            cfg,
+            cpu.clone(),
+            cpu.clone(),
+            store,
+        )
+        .unwrap();
+        let mut rng = Rng::new(4);
+        let mut log = Vec::new();
+        for n in [20usize, 1, 1, 45, 1, 1, 1, 9, 1, 1, 1, 1, 30, 1, 1] {
+            let q = tokens(&mut rng, n, shape.q_len(), 2.0);
+            let k = tokens(&mut rng, n, shape.kv_token_len(), 2.0);
+            let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+            log.push(k.clone());
+            let (mut a, mut b) = (vec![f32::NAN; n * 64 * 3], vec![f32::NAN; n * 64 * 3]);
+            own.forward(&q, &k, &v, n, &mut a).unwrap();
+            eng.forward(&q, &k, &v, n, &mut b).unwrap();
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{recovery:?}: engine store differs from KvStore"
+            );
+            assert_eq!(own.last_selection(), eng.last_selection());
+        }
+        let held = eng.cpu_tokens();
+        assert!(held > 0 && held == own.cpu_tokens());
+        // The engine's pages hold the evicted keys, in sequence order.
+        let keys: Vec<f32> = log.concat();
+        let view = eng.store().view();
+        use hgca_kernels::KvSource;
+        for j in 0..held {
+            for h in 0..2 {
+                assert_eq!(
+                    view.k_row(h, j),
+                    &keys[(j * 2 + h) * 24..][..24],
+                    "token {j} head {h}"
+                );
+            }
+        }
+    }
+    // A store that is not empty, or of other heads, is refused.
+    let cpu = hgca_cpu::CpuBackend::new();
+    let mut full = EnginePages::new(2, 24, 3, 4, 1);
+    hgca_kernels::CpuStore::push_head_major(&mut full, 1, &[0.0; 48], &[0.0; 48]).unwrap();
+    let cfg = HybridConfig {
+        window: 32,
+        block: 8,
+        ..HybridConfig::default()
+    };
+    assert!(matches!(
+        HybridAttention::<_, _, f32, EnginePages>::with_store(
+            shape,
+            cfg.clone(),
+            cpu.clone(),
+            cpu.clone(),
+            full
+        ),
+        Err(Error::Capacity { .. })
+    ));
+    let other = EnginePages::new(4, 24, 3, 4, 1);
+    assert!(matches!(
+        HybridAttention::<_, _, f32, EnginePages>::with_store(shape, cfg, cpu.clone(), cpu, other),
+        Err(Error::ShapeMismatch { .. })
     ));
 }

@@ -38,6 +38,49 @@ pub trait KvSource<T: KvElem>: Sync {
     }
 }
 
+/// A CPU-side store the hybrid layer moves evicted window rows into and
+/// reads them from: hgca's own [`KvStore`], or an engine's own pages (an
+/// engine that owns its cache implements this over it, and the whole
+/// hybrid layer then runs on the engine's memory). Token `j` of the store
+/// is sequence position `j`.
+///
+/// ```
+/// use hgca_kernels::{CpuStore, KvSource, KvStore};
+/// fn fill<S: CpuStore<f32>>(s: &mut S) -> hgca_kernels::Result<()> {
+///     s.reserve(2)?;
+///     s.push_head_major(2, &[1.0, 2.0, 3.0, 4.0], &[0.0; 4])
+/// }
+/// let mut store = KvStore::<f32>::new(2, 1, 4)?;
+/// fill(&mut store)?;
+/// assert_eq!(store.k_row(1, 0), &[3.0]);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+pub trait CpuStore<T: KvElem>: KvSource<T> + Send {
+    /// Makes sure that pushing up to `n` more tokens next cannot fail for
+    /// want of memory: the layer reserves before it takes rows out of its
+    /// window, so no evicted row is ever lost.
+    ///
+    /// # Errors
+    /// [`Error::Capacity`] or [`Error::OutOfMemory`]; nothing changes then.
+    fn reserve(&mut self, n: usize) -> Result<()>;
+    /// Appends `n` tokens given head-major, `[kv_heads, n, d]` each (the
+    /// layout an evicted window block comes in).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `k` or `v` does not hold `kv_heads * n * d`;
+    /// the store's own errors.
+    fn push_head_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()>;
+}
+
+impl<T: KvElem> CpuStore<T> for KvStore<T> {
+    fn reserve(&mut self, n: usize) -> Result<()> {
+        KvStore::reserve(self, n)
+    }
+    fn push_head_major(&mut self, n: usize, k: &[T], v: &[T]) -> Result<()> {
+        KvStore::push_head_major(self, n, k, v)
+    }
+}
+
 impl<T: KvElem, S: KvSource<T> + ?Sized> KvSource<T> for &S {
     fn kv_heads(&self) -> usize {
         (**self).kv_heads()

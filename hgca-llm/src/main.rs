@@ -10,7 +10,7 @@ use std::sync::Mutex;
 
 use hgca_cpu::CpuBackend;
 use hgca_hybrid::{HybridAttention, HybridConfig, Recovery, SequenceAttention};
-use hgca_kernels::{AttnShape, DType, KvElem, bf16, f16};
+use hgca_kernels::{AttnShape, KvElem, bf16, f16};
 use hgca_llm::{
     BoxedAttention, Error, GgufFile, GgufTokenizer, Llama, LlamaWeights, Logits, PplOptions,
     Result, WeightFormat, argmax, perplexity,
@@ -226,21 +226,17 @@ fn hybrid_factory(
 ) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> {
     move |_, shape| {
         let count = Arc::clone(&count);
-        let with = |dtype| HybridConfig {
-            dtype,
-            ..cfg.clone()
-        };
         Ok(match kv {
             Kv::F32 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f32>::cpu(shape, with(DType::F32))?,
+                inner: HybridAttention::<_, _, f32>::cpu(shape, cfg.clone())?,
                 count,
             }) as BoxedAttention,
             Kv::F16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f16>::cpu(shape, with(DType::F16))?,
+                inner: HybridAttention::<_, _, f16>::cpu(shape, cfg.clone())?,
                 count,
             }),
             Kv::Bf16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, bf16>::cpu(shape, with(DType::BF16))?,
+                inner: HybridAttention::<_, _, bf16>::cpu(shape, cfg.clone())?,
                 count,
             }),
         })

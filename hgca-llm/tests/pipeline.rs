@@ -303,7 +303,6 @@ fn hybrid_selecting_everything_equals_full() {
                 // beta 0: every entry with a positive MAW is selected.
                 beta: 0.0,
                 recovery,
-                dtype: hgca_kernels::DType::F32,
                 ..HybridConfig::default()
             };
             Ok(Box::new(HybridAttention::<_, _, f32>::cpu(s, cfg)?))
