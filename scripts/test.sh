@@ -45,10 +45,12 @@ step "tests"
 cargo test --workspace --all-features -- --nocapture 2>&1 | tee target/test.log | grep -E '^(test |running |test result|     Running|   Doc-tests)|SKIP|adapter|ISA|panicked|error' || true
 grep -q '^test result: FAILED' target/test.log && { echo "tests failed"; exit 1; }
 grep -qE '^error(\[|:)' target/test.log && { echo "build failed"; exit 1; }
+step "C ABI (header, C test under ASan/UBSan, C++ example)"
+bash scripts/capi.sh 2>&1 | tee target/capi.log
 step "SIMD inlining (the test binaries)"
 bash scripts/check-inlined.sh
 
-passed=$(grep -E '^test result:' target/test.log | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/' | awk '{p+=$1; f+=$2} END {print p+0, f+0}')
+passed=$( (grep -E '^test result:' target/test.log | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/'; sed -nE 's/^capi: ([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' target/capi.log) | awk '{p+=$1; f+=$2} END {print p+0, f+0}')
 
 if [ -f scripts/neon-test.sh ]; then
   step "NEON under qemu"

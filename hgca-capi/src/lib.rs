@@ -63,7 +63,7 @@ use ::hgca_hybrid::{HybridAttention, HybridConfig, Recovery, SequenceAttention};
 use half::{bf16, f16};
 use hgca_kernels::{
     AttnShape, BlockTable, Error, KvElem, LseBase, LseFormat, LseLayout, MassTarget, PageBounds,
-    PagedBatch, PagedLayout, PagedPool, PartialLayout, Selection,
+    PagedBatch, PagedLayout, PagedPool, PartialLayout, Selection, SelectionRef,
 };
 
 /// Library version, major.
@@ -375,6 +375,14 @@ pub struct hgca_cpu {
     cpu: CpuBackend,
 }
 
+impl hgca_cpu {
+    /// The Rust backend behind the handle (for Rust code that shares it
+    /// with C callers).
+    pub fn backend(&self) -> &CpuBackend {
+        &self.cpu
+    }
+}
+
 /// Key bounds per page and KV head of one cache pool (see `PageBounds`).
 #[derive(Debug)]
 pub struct hgca_page_bounds {
@@ -599,6 +607,12 @@ unsafe fn pool_of<'a, T: KvElem>(c: &hgca_paged_cache) -> R<PagedPool<'a, T>> {
     let k: &[T] = unsafe { slice(c.k.cast::<T>(), c.k_len, "cache k") }?;
     // SAFETY: as above.
     let v: &[T] = unsafe { slice(c.v.cast::<T>(), c.v_len, "cache v") }?;
+    if c.layout > HGCA_KV_STRIDED {
+        return fail(
+            HGCA_PARAM,
+            format!("cache layout = {}: expected one of HGCA_KV_*", c.layout),
+        );
+    }
     let one = matches!(
         c.layout,
         HGCA_KV_VLLM_CPU
@@ -689,36 +703,21 @@ unsafe fn batch_of<'a, T: KvElem>(
     Ok(PagedBatch::new(pool, table)?)
 }
 
-/// Selections from C views.
+/// Views of C selections (no copy).
 ///
 /// # Safety
-/// The views' pointers are valid for their lengths.
-unsafe fn selections(p: *const hgca_selection, n: usize) -> R<Vec<Selection>> {
+/// The views' pointers are valid for their lengths for `'a`.
+unsafe fn selections<'a>(p: *const hgca_selection, n: usize) -> R<Vec<SelectionRef<'a>>> {
     // SAFETY: the caller's contract.
     let views = unsafe { slice(p, n, "selections") }?;
     views
         .iter()
-        .enumerate()
-        .map(|(b, v)| {
+        .map(|v| {
             // SAFETY: the caller's contract on each view.
             let idx = unsafe { slice(v.indices, v.indices_len, "selection indices") }?;
             // SAFETY: as above.
             let off = unsafe { slice(v.offsets, v.offsets_len, "selection offsets") }?;
-            if off.first().is_some_and(|&o| o != 0)
-                || off.last().is_some_and(|&o| o != idx.len())
-                || off.windows(2).any(|w| w[1] < w[0])
-                || off.is_empty()
-            {
-                return fail(
-                    HGCA_PARAM,
-                    format!("selection {b}: offsets must start at 0, not decrease and end at indices_len ({})", idx.len()),
-                );
-            }
-            let mut s = Selection::new();
-            for w in off.windows(2) {
-                s.push_head(idx[w[0]..w[1]].iter().copied());
-            }
-            Ok(s)
+            Ok(SelectionRef::new(off, idx)?)
         })
         .collect()
 }
@@ -925,11 +924,11 @@ pub unsafe extern "C" fn hgca_cpu_isa(cpu: *const hgca_cpu) -> *const c_char {
 }
 
 /// Which tokens, from a C selection array.
-fn tokens_of(sels: &[Selection], dense: bool) -> BatchTokens<'_> {
+fn tokens_of<'a>(sels: &'a [SelectionRef<'a>], dense: bool) -> BatchTokens<'a> {
     if dense {
         BatchTokens::Dense
     } else {
-        BatchTokens::Sparse(sels)
+        BatchTokens::SparseRef(sels)
     }
 }
 

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use hgca_kernels::{
     AttnShape, Error, KvSource, LseFormat, LseLayout, MergeBackend, PageBounds, PagedBatch,
-    PagedSeq, PartialLayout, PartialMut, PartialRef, Result, Selection, SparseAttention, check_len,
-    merge2_row,
+    PagedSeq, PartialLayout, PartialMut, PartialRef, Result, Selection, SelectionRef,
+    SparseAttention, check_len, merge2_row,
 };
 use pulp::Simd;
 
@@ -801,6 +801,9 @@ pub enum BatchTokens<'a> {
     Dense,
     /// Per sequence, its per-KV-head [`Selection`] (indices `< seq_len`).
     Sparse(&'a [Selection]),
+    /// The same, as views of the caller's own buffers (no copy: a C or
+    /// Python caller's arrays).
+    SparseRef(&'a [SelectionRef<'a>]),
 }
 
 /// Shard `ith` of `nth` of a call, for running a call on the caller's own
@@ -849,7 +852,8 @@ impl Shard {
 struct BatchWeights<'a> {
     base: Vec<usize>,
     group: usize,
-    sels: Option<&'a [Selection]>,
+    /// The selections as views (none for dense).
+    sels: Option<Vec<SelectionRef<'a>>>,
     lens: Vec<usize>,
 }
 
@@ -861,7 +865,7 @@ impl BatchWeights<'_> {
             return self.base[self.lens.len()];
         }
         self.base[t]
-            + match self.sels {
+            + match &self.sels {
                 Some(s) => self.group * s[t].offset(g),
                 None => g * self.group * self.lens[t],
             }
@@ -1055,7 +1059,8 @@ impl CpuBackend {
         let (hk, d) = (shape.kv_heads(), shape.head_dim());
         kv.check_shape(shape)?;
         check_len("q [batch, q_heads, d]", b * shape.q_len(), q.len())?;
-        if let BatchTokens::Sparse(sels) = tokens {
+        let bw = batch_weights(shape, kv, tokens);
+        if let Some(sels) = &bw.sels {
             if sels.len() != b {
                 return Err(Error::ShapeMismatch {
                     what: "selections (one per sequence)",
@@ -1070,7 +1075,6 @@ impl CpuBackend {
         let rows = Self::shard_rows(shape, b, shard);
         check_len("out", rows.len() * d, out.len())?;
         check_len("lse", rows.len(), lse.len())?;
-        let bw = batch_weights(shape, kv, tokens);
         let units = shard.units(b * hk);
         if let Some(w) = &weights {
             check_len(
@@ -1083,9 +1087,9 @@ impl CpuBackend {
         let job = Job {
             units,
             kv: seq,
-            spec: |t: usize, g: usize| match tokens {
-                BatchTokens::Dense => Spec::Range(0, kv.seq_len(t)),
-                BatchTokens::Sparse(s) => Spec::List(s[t].head(g)),
+            spec: |t: usize, g: usize| match &bw.sels {
+                None => Spec::Range(0, kv.seq_len(t)),
+                Some(s) => Spec::List(s[t].head(g)),
             },
             weight_offset: |t: usize, g: usize| bw.at(hk, t * hk + g),
             par,
@@ -1159,13 +1163,14 @@ fn batch_weights<'a, T: SimdElem>(
     let lens: Vec<usize> = (0..kv.batch()).map(|t| kv.seq_len(t)).collect();
     let sels = match tokens {
         BatchTokens::Dense => None,
-        BatchTokens::Sparse(s) => Some(s),
+        BatchTokens::Sparse(s) => Some(s.iter().map(Selection::as_view).collect::<Vec<_>>()),
+        BatchTokens::SparseRef(s) => Some(s.to_vec()),
     };
     let mut base = Vec::with_capacity(lens.len() + 1);
     base.push(0);
     for (t, &len) in lens.iter().enumerate() {
-        let n = match sels {
-            Some(s) => group * s.get(t).map_or(0, Selection::total),
+        let n = match &sels {
+            Some(s) => group * s.get(t).map_or(0, SelectionRef::total),
             None => shape.q_heads() * len,
         };
         base.push(base[t] + n);

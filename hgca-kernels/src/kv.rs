@@ -504,11 +504,89 @@ impl Selection {
     }
     /// Heads.
     pub fn kv_heads(&self) -> usize {
-        self.offsets.len() - 1
+        self.as_view().kv_heads()
     }
     /// Head `h`'s indices (empty for `h >= kv_heads()`).
     #[inline]
     pub fn head(&self, h: usize) -> &[u32] {
+        self.as_view().head(h)
+    }
+    /// Where head `h`'s list starts in the flat index array (the total for
+    /// `h >= kv_heads()`: past the last list).
+    #[inline]
+    pub fn offset(&self, h: usize) -> usize {
+        self.as_view().offset(h)
+    }
+    /// Total selected entries over all heads.
+    pub fn total(&self) -> usize {
+        self.indices.len()
+    }
+    /// Checks `kv_heads` lists, every index `< tokens`.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] for the wrong number of heads, [`Error::Index`]
+    /// for an index out of range.
+    pub fn validate(&self, kv_heads: usize, tokens: usize) -> Result<()> {
+        self.as_view().validate(kv_heads, tokens)
+    }
+    /// A borrowed view of this selection.
+    #[inline]
+    pub fn as_view(&self) -> SelectionRef<'_> {
+        SelectionRef {
+            offsets: &self.offsets,
+            indices: &self.indices,
+        }
+    }
+}
+
+/// A borrowed [`Selection`]: per KV head `g`, the token indices
+/// `indices[offsets[g]..offsets[g + 1]]`, in a caller's own buffers (an
+/// engine's, a C or Python array) with no copy.
+///
+/// ```
+/// use hgca_kernels::SelectionRef;
+/// let (offsets, indices) = ([0usize, 2, 3], [4u32, 9, 1]);
+/// let s = SelectionRef::new(&offsets, &indices)?;
+/// assert_eq!((s.kv_heads(), s.head(0), s.head(1)), (2, &[4, 9][..], &[1][..]));
+/// assert!(SelectionRef::new(&[0, 3, 2], &indices).is_err());
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SelectionRef<'a> {
+    offsets: &'a [usize],
+    indices: &'a [u32],
+}
+
+impl<'a> SelectionRef<'a> {
+    /// A view of `offsets` (`kv_heads + 1` entries, from 0, not decreasing,
+    /// the last `indices.len()`) and `indices`.
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for empty `offsets`, [`Error::Param`] naming
+    /// `selection offsets` when they do not start at 0, decrease, or do not
+    /// end at `indices.len()`.
+    pub fn new(offsets: &'a [usize], indices: &'a [u32]) -> Result<Self> {
+        let Some((&first, &last)) = offsets.first().zip(offsets.last()) else {
+            return Err(Error::Zero {
+                what: "selection offsets (kv_heads + 1)",
+            });
+        };
+        if first != 0 || last != indices.len() || offsets.windows(2).any(|w| w[1] < w[0]) {
+            return Err(Error::Param {
+                what: "selection offsets",
+                value: last as f64,
+                expected: "from 0, not decreasing, ending at the number of indices",
+            });
+        }
+        Ok(Self { offsets, indices })
+    }
+    /// Heads.
+    pub fn kv_heads(&self) -> usize {
+        self.offsets.len() - 1
+    }
+    /// Head `h`'s indices (empty for `h >= kv_heads()`).
+    #[inline]
+    pub fn head(&self, h: usize) -> &'a [u32] {
         match (
             self.offsets.get(h),
             h.checked_add(1).and_then(|i| self.offsets.get(i)),
@@ -518,7 +596,7 @@ impl Selection {
         }
     }
     /// Where head `h`'s list starts in the flat index array (the total for
-    /// `h >= kv_heads()`: past the last list).
+    /// `h >= kv_heads()`).
     #[inline]
     pub fn offset(&self, h: usize) -> usize {
         self.offsets.get(h).copied().unwrap_or(self.indices.len())

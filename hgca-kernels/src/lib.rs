@@ -44,7 +44,7 @@ pub use backend::{
 pub use dtype::{DType, KvElem};
 pub use error::{Error, Result, check_len};
 pub use half::{bf16, f16};
-pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection};
+pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};
 pub use maw::{Alpha, Beta, maw_update, maw_update_gather, select_paper};
 pub use mem::{HUGE_PAGE, HostBuf};

@@ -271,3 +271,97 @@ fn log2_conversions_round_trip() {
         assert!((lse_from_log2(lse_to_log2(x)) - x).abs() <= 1e-6 * x.abs().max(1.0));
     }
 }
+
+/// `merge_states` / `merge_states_into` in every LSE convention (base e or
+/// 2, `[tokens, heads]` or `[heads, tokens]`) equal the natural-log merge of
+/// the same partials given in hgca's own format; a base mixed up (a base-2
+/// lse read as natural) is caught.
+#[test]
+fn merge_states_in_every_lse_convention() {
+    use hgca_kernels::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};
+    let mut rng = Rng::new(31);
+    for (tokens, heads, d) in [(1usize, 1usize, 1usize), (3, 4, 8), (5, 2, 17)] {
+        let layout = PartialLayout {
+            n_tokens: tokens,
+            q_heads: heads,
+            head_dim: d,
+        };
+        let parts: Vec<Partial> = (0..3)
+            .map(|_| random_partial(layout, &mut rng, 2.0, 6.0))
+            .collect();
+        let refs: Vec<PartialRef<'_>> = parts.iter().map(Partial::as_ref).collect();
+        let mut want = Partial::poisoned(layout);
+        merge(&refs, want.as_mut()).unwrap();
+        for base in [LseBase::E, LseBase::Two] {
+            for lay in [LseLayout::TokensHeads, LseLayout::HeadsTokens] {
+                let fmt = LseFormat { base, layout: lay };
+                let conv: Vec<Vec<f32>> = parts
+                    .iter()
+                    .map(|p| {
+                        let mut l = vec![0.0; layout.rows()];
+                        fmt.write(p.lse(), tokens, heads, &mut l).unwrap();
+                        l
+                    })
+                    .collect();
+                let views: Vec<(&[f32], &[f32])> = parts
+                    .iter()
+                    .zip(&conv)
+                    .map(|(p, l)| (p.out(), l.as_slice()))
+                    .collect();
+                let (mut o, mut l) = (
+                    vec![f32::NAN; layout.out_len()],
+                    vec![f32::NAN; layout.rows()],
+                );
+                merge_states(layout, fmt, &views, &mut o, &mut l).unwrap();
+                let mut nat = vec![0.0; layout.rows()];
+                fmt.read(&l, tokens, heads, &mut nat).unwrap();
+                let close = |a: f32, b: f32| a == b || (a - b).abs() <= 1e-5 * (1.0 + b.abs());
+                assert!(
+                    o.iter().zip(want.out()).all(|(&a, &b)| close(a, b)),
+                    "{fmt:?} out"
+                );
+                assert!(
+                    nat.iter().zip(want.lse()).all(|(&a, &b)| close(a, b)),
+                    "{fmt:?} lse"
+                );
+                // In place, folding the parts left.
+                let (mut acc_o, mut acc_l) =
+                    (vec![0.0; layout.out_len()], vec![0.0; layout.rows()]);
+                fmt.write(
+                    &vec![f32::NEG_INFINITY; layout.rows()],
+                    tokens,
+                    heads,
+                    &mut acc_l,
+                )
+                .unwrap();
+                for (po, pl) in &views {
+                    merge_states_into(layout, fmt, &mut acc_o, &mut acc_l, po, pl).unwrap();
+                }
+                assert!(
+                    acc_o.iter().zip(want.out()).all(|(&a, &b)| close(a, b)),
+                    "{fmt:?} in place"
+                );
+                // The field's common bug: base-2 lses read as natural ones.
+                if base == LseBase::Two && heads * tokens > 1 {
+                    let wrong = LseFormat {
+                        base: LseBase::E,
+                        layout: lay,
+                    };
+                    merge_states(layout, wrong, &views, &mut o, &mut l).unwrap();
+                    assert!(
+                        o.iter().zip(want.out()).any(|(&a, &b)| !close(a, b)),
+                        "a mixed-up base must change the result"
+                    );
+                }
+            }
+        }
+        // Wrong lengths are errors.
+        let short = vec![0.0; layout.rows() - 1];
+        let bad = vec![(parts[0].out(), short.as_slice())];
+        let (mut o, mut l) = (vec![0.0; layout.out_len()], vec![0.0; layout.rows()]);
+        assert!(matches!(
+            merge_states(layout, LseFormat::FLASHINFER, &bad, &mut o, &mut l),
+            Err(Error::Length { .. })
+        ));
+    }
+}

@@ -307,10 +307,12 @@ pub fn batch_case<T: KvElem + hgca_cpu::isa::SimdElem>(
         .iter()
         .map(|p| selection(&mut rng, shape.kv_heads(), p.tokens))
         .collect();
-    let tokens = if sparse {
-        BatchTokens::Sparse(&sels)
-    } else {
-        BatchTokens::Dense
+    // Owned selections and borrowed views of them, taken in turn.
+    let views: Vec<hgca_kernels::SelectionRef<'_>> = sels.iter().map(Selection::as_view).collect();
+    let tokens = match (sparse, seed % 2) {
+        (false, _) => BatchTokens::Dense,
+        (true, 0) => BatchTokens::Sparse(&sels),
+        (true, _) => BatchTokens::SparseRef(&views),
     };
     let b = lens.len();
     let (qh, d) = (shape.q_heads(), shape.head_dim());
