@@ -47,10 +47,12 @@ grep -q '^test result: FAILED' target/test.log && { echo "tests failed"; exit 1;
 grep -qE '^error(\[|:)' target/test.log && { echo "build failed"; exit 1; }
 step "C ABI (header, C test under ASan/UBSan, C++ example)"
 bash scripts/capi.sh 2>&1 | tee target/capi.log
+step "Python (abi3 wheel with maturin, pytest over it)"
+bash scripts/python.sh 2>&1 | tee target/python.log
 step "SIMD inlining (the test binaries)"
 bash scripts/check-inlined.sh
 
-passed=$( (grep -E '^test result:' target/test.log | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/'; sed -nE 's/^capi: ([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' target/capi.log) | awk '{p+=$1; f+=$2} END {print p+0, f+0}')
+passed=$( (grep -E '^test result:' target/test.log | sed -E 's/.* ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/'; sed -nE 's/^capi: ([0-9]+) passed, ([0-9]+) failed$/\1 \2/p' target/capi.log; sed -nE 's/^([0-9]+) passed.* in .*$/\1 0/p' target/python.log) | awk '{p+=$1; f+=$2} END {print p+0, f+0}')
 
 if [ -f scripts/neon-test.sh ]; then
   step "NEON under qemu"

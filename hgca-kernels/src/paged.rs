@@ -125,6 +125,26 @@ impl PageDiv {
     }
 }
 
+/// The order of a named layout's pages.
+#[derive(Debug, Clone, Copy)]
+enum Order {
+    /// `[tokens, heads, d]`.
+    Nhd,
+    /// `[heads, tokens, d]`.
+    Hnd,
+}
+
+/// Where a named layout keeps V beside K.
+#[derive(Debug, Clone, Copy)]
+enum Halves {
+    /// In its own slice.
+    Separate,
+    /// The second half of one tensor `(2, pages, ...)`.
+    Outer,
+    /// Beside K in every page, `[pages, 2, ...]`.
+    PerPage,
+}
+
 /// A borrowed pool of KV pages, validated: every row its layout can reach
 /// lies inside its slices.
 #[derive(Debug, Clone, Copy)]
@@ -205,11 +225,59 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         })
     }
 
-    /// One tensor `(2, …)` whose first index picks K or V: V starts `half`
-    /// elements in, and the tensor holds exactly `2 * half`.
-    fn one_tensor(kv: &'a [T], half: usize, layout: PagedLayout) -> Result<Self> {
-        check_len("kv_cache", mul("kv_cache elements", half, 2)?, kv.len())?;
-        Self::strided(kv, 0, kv, half, layout, 1)
+    /// The named layouts: pages `[tokens, heads, d]` (`Nhd`) or `[heads,
+    /// tokens, d]` (`Hnd`) inside, K and V in separate slices, in the two
+    /// halves of one tensor `(2, pages, ...)`, or side by side in each page
+    /// `[pages, 2, ...]`; the slices must hold exactly the shape.
+    #[allow(clippy::too_many_arguments)]
+    fn named(
+        k: &'a [T],
+        v: Option<&'a [T]>,
+        order: Order,
+        halves: Halves,
+        num_blocks: usize,
+        block_size: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<Self> {
+        let what = "cache elements";
+        let page = mul(what, mul(what, kv_heads, block_size)?, head_dim)?;
+        let (token_stride, head_stride) = match order {
+            Order::Nhd => (kv_heads * head_dim, head_dim),
+            Order::Hnd => (head_dim, block_size * head_dim),
+        };
+        let (block_stride, v_offset) = match halves {
+            Halves::Separate => (page, 0),
+            Halves::Outer => (page, mul(what, num_blocks, page)?),
+            Halves::PerPage => (mul(what, page, 2)?, page),
+        };
+        let all = mul(what, num_blocks, block_stride)?;
+        let v = match v {
+            Some(v) => {
+                check_len("k_cache", all, k.len())?;
+                check_len("v_cache", all, v.len())?;
+                v
+            }
+            None => {
+                let n = if matches!(halves, Halves::Outer) {
+                    mul(what, all, 2)?
+                } else {
+                    all
+                };
+                check_len("kv_cache", n, k.len())?;
+                k
+            }
+        };
+        let layout = PagedLayout {
+            num_blocks,
+            block_size,
+            kv_heads,
+            head_dim,
+            block_stride,
+            token_stride,
+            head_stride,
+        };
+        Self::strided(k, 0, v, v_offset, layout, 1)
     }
 
     /// vLLM's CPU attention cache, one tensor `(2, num_blocks, kv_heads,
@@ -225,24 +293,15 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         block_size: usize,
         head_size: usize,
     ) -> Result<Self> {
-        let page = mul(
-            "page elements",
-            mul("page elements", kv_heads, block_size)?,
-            head_size,
-        )?;
-        let layout = PagedLayout {
+        Self::named(
+            kv_cache,
+            None,
+            Order::Hnd,
+            Halves::Outer,
             num_blocks,
             block_size,
             kv_heads,
-            head_dim: head_size,
-            block_stride: page,
-            token_stride: head_size,
-            head_stride: block_size * head_size,
-        };
-        Self::one_tensor(
-            kv_cache,
-            mul("kv_cache elements", page, num_blocks)?,
-            layout,
+            head_size,
         )
     }
 
@@ -259,32 +318,16 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         kv_heads: usize,
         head_size: usize,
     ) -> Result<Self> {
-        let page = mul(
-            "page elements",
-            mul("page elements", kv_heads, block_size)?,
-            head_size,
-        )?;
-        let layout = PagedLayout {
+        Self::named(
+            kv_cache,
+            None,
+            Order::Nhd,
+            Halves::Outer,
             num_blocks,
             block_size,
             kv_heads,
-            head_dim: head_size,
-            block_stride: page,
-            token_stride: kv_heads * head_size,
-            head_stride: head_size,
-        };
-        Self::one_tensor(
-            kv_cache,
-            mul("kv_cache elements", page, num_blocks)?,
-            layout,
+            head_size,
         )
-    }
-
-    fn separate(k: &'a [T], v: &'a [T], layout: PagedLayout) -> Result<Self> {
-        let n = mul("cache elements", layout.num_blocks, layout.block_stride)?;
-        check_len("k_cache", n, k.len())?;
-        check_len("v_cache", n, v.len())?;
-        Self::strided(k, 0, v, 0, layout, 1)
     }
 
     /// FlashInfer's NHD layout, K and V separate: `[pages, page_size,
@@ -301,23 +344,15 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let page = mul(
-            "page elements",
-            mul("page elements", kv_heads, page_size)?,
-            head_dim,
-        )?;
-        Self::separate(
+        Self::named(
             k_cache,
-            v_cache,
-            PagedLayout {
-                num_blocks: pages,
-                block_size: page_size,
-                kv_heads,
-                head_dim,
-                block_stride: page,
-                token_stride: kv_heads * head_dim,
-                head_stride: head_dim,
-            },
+            Some(v_cache),
+            Order::Nhd,
+            Halves::Separate,
+            pages,
+            page_size,
+            kv_heads,
+            head_dim,
         )
     }
 
@@ -334,23 +369,15 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let page = mul(
-            "page elements",
-            mul("page elements", kv_heads, page_size)?,
-            head_dim,
-        )?;
-        Self::separate(
+        Self::named(
             k_cache,
-            v_cache,
-            PagedLayout {
-                num_blocks: pages,
-                block_size: page_size,
-                kv_heads,
-                head_dim,
-                block_stride: page,
-                token_stride: head_dim,
-                head_stride: page_size * head_dim,
-            },
+            Some(v_cache),
+            Order::Hnd,
+            Halves::Separate,
+            pages,
+            page_size,
+            kv_heads,
+            head_dim,
         )
     }
 
@@ -367,19 +394,14 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let half = mul(
-            "page elements",
-            mul("page elements", kv_heads, page_size)?,
-            head_dim,
-        )?;
-        Self::combined(
+        Self::named(
             kv_cache,
+            None,
+            Order::Nhd,
+            Halves::PerPage,
             pages,
-            half,
             page_size,
             kv_heads,
-            head_dim,
-            kv_heads * head_dim,
             head_dim,
         )
     }
@@ -396,46 +418,16 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         kv_heads: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let half = mul(
-            "page elements",
-            mul("page elements", kv_heads, page_size)?,
-            head_dim,
-        )?;
-        Self::combined(
+        Self::named(
             kv_cache,
+            None,
+            Order::Hnd,
+            Halves::PerPage,
             pages,
-            half,
             page_size,
             kv_heads,
             head_dim,
-            head_dim,
-            page_size * head_dim,
         )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn combined(
-        kv: &'a [T],
-        pages: usize,
-        half: usize,
-        page_size: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        token_stride: usize,
-        head_stride: usize,
-    ) -> Result<Self> {
-        let page = mul("page elements", half, 2)?;
-        check_len("kv_cache", mul("kv_cache elements", page, pages)?, kv.len())?;
-        let layout = PagedLayout {
-            num_blocks: pages,
-            block_size: page_size,
-            kv_heads,
-            head_dim,
-            block_stride: page,
-            token_stride,
-            head_stride,
-        };
-        Self::strided(kv, 0, kv, half, layout, 1)
     }
 
     /// A token-major cache as llama.cpp/ggml keeps it: token `j`'s K (or
@@ -480,7 +472,7 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
     }
 
     /// hgca's head-major `[kv_heads, tokens, d]` K and V (the layout of
-    /// [`crate::KvSlices`]), as one page of `tokens` tokens.
+    /// [`crate::KvSlices`]), as one page of `tokens` (at least 1) tokens.
     ///
     /// # Errors
     /// As [`PagedPool::strided`]; [`Error::Length`] when a slice does not
@@ -492,28 +484,15 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         tokens: usize,
         head_dim: usize,
     ) -> Result<Self> {
-        let n = mul(
-            "cache elements",
-            mul("cache elements", kv_heads, tokens)?,
-            head_dim,
-        )?;
-        check_len("k", n, k.len())?;
-        check_len("v", n, v.len())?;
-        Self::strided(
+        Self::named(
             k,
-            0,
-            v,
-            0,
-            PagedLayout {
-                num_blocks: 1,
-                block_size: tokens,
-                kv_heads,
-                head_dim,
-                block_stride: 0,
-                token_stride: head_dim,
-                head_stride: tokens * head_dim,
-            },
+            Some(v),
+            Order::Hnd,
+            Halves::Separate,
             1,
+            tokens,
+            kv_heads,
+            head_dim,
         )
     }
 
