@@ -235,10 +235,8 @@ fn attend_as<S: Kern, T: SimdElem, U: StepElem, K: KvSource<T>, I: Tokens>(
     debug_assert!(heads <= MAX_HEADS && q.len() == heads * d && o.len() == heads * d);
     debug_assert!(T::DTYPE == U::DTYPE);
     let rows = |j: usize| -> (&[U], &[U]) {
-        (
-            bytemuck::cast_slice(kv.k_row(g, j)),
-            bytemuck::cast_slice(kv.v_row(g, j)),
-        )
+        let (k, v) = kv.kv_rows(g, j);
+        (bytemuck::cast_slice(k), bytemuck::cast_slice(v))
     };
     // Row slices of this block (`krows[c]`) and of the next (`krows[1 - c]`):
     // each row is located once, when it is first prefetched.

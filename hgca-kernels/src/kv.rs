@@ -21,6 +21,13 @@ pub trait KvSource<T: KvElem>: Sync {
     /// Value row of token `j` of KV head `h`, under the same terms as
     /// [`KvSource::k_row`].
     fn v_row(&self, h: usize, j: usize) -> &[T];
+    /// Both rows of token `j` of KV head `h` (what the kernels ask for),
+    /// under the same terms: a source that locates a row with some work
+    /// (a page table) overrides it to do that work once for both.
+    #[inline(always)]
+    fn kv_rows(&self, h: usize, j: usize) -> (&[T], &[T]) {
+        (self.k_row(h, j), self.v_row(h, j))
+    }
     /// Checks that this source matches `shape`.
     ///
     /// # Errors
@@ -98,6 +105,10 @@ impl<T: KvElem, S: KvSource<T> + ?Sized> KvSource<T> for &S {
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
         (**self).v_row(h, j)
+    }
+    #[inline(always)]
+    fn kv_rows(&self, h: usize, j: usize) -> (&[T], &[T]) {
+        (**self).kv_rows(h, j)
     }
 }
 
@@ -428,6 +439,16 @@ impl<T: KvElem> KvSource<T> for KvStore<T> {
         );
         let (c, o) = self.locate(h, j);
         &self.v[c][o..o + self.head_dim]
+    }
+    #[inline(always)]
+    fn kv_rows(&self, h: usize, j: usize) -> (&[T], &[T]) {
+        debug_assert!(
+            h < self.kv_heads && j < self.tokens,
+            "row ({h}, {j}) out of range"
+        );
+        let (c, o) = self.locate(h, j);
+        let d = self.head_dim;
+        (&self.k[c][o..o + d], &self.v[c][o..o + d])
     }
 }
 

@@ -846,6 +846,12 @@ impl<T: KvElem> KvSource<T> for PagedSeq<'_, T> {
         let o = self.pool.v_offset + self.locate(h, j);
         &self.pool.v[o..o + self.pool.layout.head_dim]
     }
+    #[inline(always)]
+    fn kv_rows(&self, h: usize, j: usize) -> (&[T], &[T]) {
+        let (o, d) = (self.locate(h, j), self.pool.layout.head_dim);
+        let (k, v) = (self.pool.k_offset + o, self.pool.v_offset + o);
+        (&self.pool.k[k..k + d], &self.pool.v[v..v + d])
+    }
 }
 
 #[cfg(test)]
