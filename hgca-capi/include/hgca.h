@@ -771,9 +771,22 @@ hgca_status hgca_page_bounds_new(const hgca_paged_cache *cache, hgca_page_bounds
 void hgca_page_bounds_free(hgca_page_bounds *b);
 
 /*
+ Forgets the bounds of page `page` (an engine that frees a page and
+ hands it to another sequence calls it: equal fill counts cannot show
+ that the keys changed). A page past the last is a no-op. Needs the
+ bounds for itself.
+
+ # Safety
+ `bounds` null or a live handle.
+ */
+hgca_status hgca_page_bounds_reset(hgca_page_bounds *bounds, size_t page);
+
+/*
  Brings the bounds of every page of sequence `seq` up to the tokens it
- holds (only new tokens are read; a reused page is rebuilt). Needs the
- bounds for itself (one thread at a time).
+ holds (only new tokens are read; a page filled to fewer tokens than
+ before is rebuilt; a page given to another sequence must be reset with
+ [`hgca_page_bounds_reset`] first). Needs the bounds for itself (one
+ thread at a time).
 
  # Safety
  Pointers null or valid for the call.

@@ -477,8 +477,70 @@ fn fail<T>(s: hgca_status, m: impl Into<String>) -> R<T> {
 /// # Safety
 /// `p` is null or points to a valid `T` for the call.
 unsafe fn deref<'a, T>(p: *const T, what: &str) -> R<&'a T> {
-    // SAFETY: non-null pointers are valid by the caller's contract.
-    unsafe { p.as_ref() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, format!("{what} is null")))
+    if p.is_null() {
+        return fail(HGCA_NULL_POINTER, format!("{what} is null"));
+    }
+    if !(p as usize).is_multiple_of(core::mem::align_of::<T>()) {
+        return fail(HGCA_PARAM, format!("{what} is not aligned for its type"));
+    }
+    // SAFETY: non-null and aligned; valid by the caller's contract.
+    Ok(unsafe { &*p })
+}
+
+/// `&mut *p`, or `HGCA_NULL_POINTER` / `HGCA_PARAM` (misaligned) naming `what`.
+///
+/// # Safety
+/// `p` is null or points to a valid `T`, not aliased for the call.
+unsafe fn deref_mut<'a, T>(p: *mut T, what: &str) -> R<&'a mut T> {
+    // SAFETY: the caller's contract (null and alignment are checked there).
+    unsafe { deref(p.cast_const(), what) }?;
+    // SAFETY: as above, and exclusive by the caller's contract.
+    Ok(unsafe { &mut *p })
+}
+
+/// The structs whose first field is their `u32` size.
+trait SizeFirst {
+    /// The struct's C name, for messages.
+    const NAME: &'static str;
+}
+
+macro_rules! size_first {
+    ($($t:ident),*) => {$(
+        impl SizeFirst for $t {
+            const NAME: &'static str = stringify!($t);
+        }
+    )*};
+}
+
+size_first!(
+    hgca_shape,
+    hgca_paged_cache,
+    hgca_block_table,
+    hgca_outputs,
+    hgca_hybrid_config,
+    hgca_step_stats
+);
+
+/// `&*p` for a struct with a leading `size`: the size is read (and
+/// checked) before the rest of the struct is, so an older, smaller struct
+/// is refused with `HGCA_ABI` instead of being read past its end.
+///
+/// # Safety
+/// `p` is null or points to at least `size` valid bytes, `size` being its
+/// first field.
+unsafe fn sized<'a, T: SizeFirst>(p: *const T, what: &str) -> R<&'a T> {
+    if p.is_null() {
+        return fail(HGCA_NULL_POINTER, format!("{what} is null"));
+    }
+    if !(p as usize).is_multiple_of(core::mem::align_of::<T>()) {
+        return fail(HGCA_PARAM, format!("{what} is not aligned for {}", T::NAME));
+    }
+    // SAFETY: every `SizeFirst` struct is `repr(C)` with a `u32` first;
+    // the caller's struct holds at least that field.
+    let size = unsafe { p.cast::<u32>().read() };
+    check_size::<T>(size, T::NAME)?;
+    // SAFETY: the caller's struct holds `size >= size_of::<T>()` bytes.
+    Ok(unsafe { &*p })
 }
 
 /// A struct with a `size` field: checks it against this library's.
@@ -495,6 +557,27 @@ fn check_size<T>(size: u32, what: &str) -> R {
     Ok(())
 }
 
+/// Alignment and size of a slice of `len` `T` at `addr` (a slice may
+/// not span more than `isize::MAX` bytes).
+fn check_slice<T>(addr: usize, len: usize, what: &str) -> R {
+    if !addr.is_multiple_of(core::mem::align_of::<T>()) {
+        return fail(
+            HGCA_PARAM,
+            format!("{what} is not aligned for its element type"),
+        );
+    }
+    if len
+        .checked_mul(core::mem::size_of::<T>())
+        .is_none_or(|b| b > isize::MAX as usize)
+    {
+        return fail(
+            HGCA_CAPACITY,
+            format!("{what}: {len} elements exceed the address space"),
+        );
+    }
+    Ok(())
+}
+
 /// `len` elements at `p` (null allowed when `len == 0`).
 ///
 /// # Safety
@@ -506,12 +589,7 @@ unsafe fn slice<'a, T>(p: *const T, len: usize, what: &str) -> R<&'a [T]> {
     if p.is_null() {
         return fail(HGCA_NULL_POINTER, format!("{what} is null (length {len})"));
     }
-    if !(p as usize).is_multiple_of(core::mem::align_of::<T>()) {
-        return fail(
-            HGCA_PARAM,
-            format!("{what} is not aligned for its element type"),
-        );
-    }
+    check_slice::<T>(p as usize, len, what)?;
     // SAFETY: non-null, aligned, `len` elements valid by the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts(p, len) })
 }
@@ -527,12 +605,7 @@ unsafe fn slice_mut<'a, T>(p: *mut T, len: usize, what: &str) -> R<&'a mut [T]> 
     if p.is_null() {
         return fail(HGCA_NULL_POINTER, format!("{what} is null (length {len})"));
     }
-    if !(p as usize).is_multiple_of(core::mem::align_of::<T>()) {
-        return fail(
-            HGCA_PARAM,
-            format!("{what} is not aligned for its element type"),
-        );
-    }
+    check_slice::<T>(p as usize, len, what)?;
     // SAFETY: non-null, aligned, `len` exclusive elements by the caller's contract.
     Ok(unsafe { std::slice::from_raw_parts_mut(p, len) })
 }
@@ -885,11 +958,7 @@ pub unsafe extern "C" fn hgca_cpu_new(threads: u32, out: *mut *mut hgca_cpu) -> 
         if out.is_null() {
             return fail(HGCA_NULL_POINTER, "out is null");
         }
-        let par = match threads {
-            1 => Par::Seq,
-            n => Par::Rayon(n as usize),
-        };
-        let cpu = CpuBackend::new().with_par(par)?;
+        let cpu = CpuBackend::new().with_par(Par::from_threads(threads as usize))?;
         // SAFETY: `out` is non-null and valid for a write by the contract.
         unsafe { out.write(Box::into_raw(Box::new(hgca_cpu { cpu }))) };
         Ok(())
@@ -952,15 +1021,15 @@ unsafe fn decode_common(
     // SAFETY: the caller's contract, for each pointer below.
     let cpu = &unsafe { deref(cpu, "cpu") }?.cpu;
     // SAFETY: as above.
-    let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+    let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
     // SAFETY: as above.
     let q = unsafe { slice(q, q_len, "q") }?;
     // SAFETY: as above.
-    let cache = unsafe { deref(cache, "cache") }?;
+    let cache = unsafe { sized(cache, "cache") }?;
     // SAFETY: as above.
-    let table = unsafe { deref(table, "table") }?;
+    let table = unsafe { sized(table, "table") }?;
     // SAFETY: as above.
-    let o = unsafe { deref(outputs, "outputs") }?;
+    let o = unsafe { sized(outputs, "outputs") }?;
     check_size::<hgca_outputs>(o.size, "hgca_outputs")?;
     let fmt = lse_format(o.lse_base, o.lse_layout)?;
     let dense = sels.is_null();
@@ -1084,7 +1153,7 @@ pub unsafe extern "C" fn hgca_shard_rows(
 ) -> hgca_status {
     guard(|| {
         // SAFETY: the caller's contract.
-        let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+        let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
         if first.is_null() || count.is_null() {
             return fail(HGCA_NULL_POINTER, "first or count is null");
         }
@@ -1118,11 +1187,11 @@ pub unsafe extern "C" fn hgca_shard_weights(
 ) -> hgca_status {
     guard(|| {
         // SAFETY: the caller's contract, for each pointer below.
-        let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+        let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
         // SAFETY: as above.
-        let cache = unsafe { deref(cache, "cache") }?;
+        let cache = unsafe { sized(cache, "cache") }?;
         // SAFETY: as above.
-        let table = unsafe { deref(table, "table") }?;
+        let table = unsafe { sized(table, "table") }?;
         let dense = sels.is_null();
         let sels = if dense {
             Vec::new()
@@ -1136,7 +1205,7 @@ pub unsafe extern "C" fn hgca_shard_weights(
         with_dtype!(cache.dtype, T => {
             // SAFETY: as above.
             let batch = unsafe { batch_of(pool_of::<T>(cache)?, table) }?;
-            let r = CpuBackend::shard_weights(&shape, &batch, tokens_of(&sels, dense), Shard::new(ith, nth)?);
+            let r = CpuBackend::shard_weights(&shape, &batch, tokens_of(&sels, dense), Shard::new(ith, nth)?)?;
             // SAFETY: non-null, valid for writes by the contract.
             unsafe {
                 first.write(r.start);
@@ -1173,18 +1242,18 @@ pub unsafe extern "C" fn hgca_append_attention(
         // SAFETY: the caller's contract, for each pointer below.
         let cpu = &unsafe { deref(cpu, "cpu") }?.cpu;
         // SAFETY: as above.
-        let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+        let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
         let q_len = n_q
             .checked_mul(shape.q_len())
             .ok_or_else(|| Fail(HGCA_CAPACITY, "n_q overflows".into()))?;
         // SAFETY: as above.
         let q = unsafe { slice(q, q_len, "q") }?;
         // SAFETY: as above.
-        let cache = unsafe { deref(cache, "cache") }?;
+        let cache = unsafe { sized(cache, "cache") }?;
         // SAFETY: as above.
-        let table = unsafe { deref(table, "table") }?;
+        let table = unsafe { sized(table, "table") }?;
         // SAFETY: as above.
-        let o = unsafe { deref(outputs, "outputs") }?;
+        let o = unsafe { sized(outputs, "outputs") }?;
         check_size::<hgca_outputs>(o.size, "hgca_outputs")?;
         if !o.weights.is_null() {
             return fail(
@@ -1225,7 +1294,7 @@ pub unsafe extern "C" fn hgca_page_bounds_new(
 ) -> hgca_status {
     guard(|| {
         // SAFETY: the caller's contract.
-        let cache = unsafe { deref(cache, "cache") }?;
+        let cache = unsafe { sized(cache, "cache") }?;
         if out.is_null() {
             return fail(HGCA_NULL_POINTER, "out is null");
         }
@@ -1300,9 +1369,35 @@ pub unsafe extern "C" fn hgca_page_bounds_free(b: *mut hgca_page_bounds) {
     }
 }
 
+/// Forgets the bounds of page `page` (an engine that frees a page and
+/// hands it to another sequence calls it: equal fill counts cannot show
+/// that the keys changed). A page past the last is a no-op. Needs the
+/// bounds for itself.
+///
+/// # Safety
+/// `bounds` null or a live handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn hgca_page_bounds_reset(
+    bounds: *mut hgca_page_bounds,
+    page: usize,
+) -> hgca_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let b = unsafe { deref_mut(bounds, "bounds") }?;
+        match &mut b.inner {
+            BoundsAny::F32(pb) => pb.reset(page),
+            BoundsAny::F16(pb) => pb.reset(page),
+            BoundsAny::Bf16(pb) => pb.reset(page),
+        }
+        Ok(())
+    })
+}
+
 /// Brings the bounds of every page of sequence `seq` up to the tokens it
-/// holds (only new tokens are read; a reused page is rebuilt). Needs the
-/// bounds for itself (one thread at a time).
+/// holds (only new tokens are read; a page filled to fewer tokens than
+/// before is rebuilt; a page given to another sequence must be reset with
+/// [`hgca_page_bounds_reset`] first). Needs the bounds for itself (one
+/// thread at a time).
 ///
 /// # Safety
 /// Pointers null or valid for the call.
@@ -1315,12 +1410,11 @@ pub unsafe extern "C" fn hgca_page_bounds_update(
 ) -> hgca_status {
     guard(|| {
         // SAFETY: the caller's contract, for each pointer below.
-        let b = unsafe { bounds.as_mut() }
-            .ok_or_else(|| Fail(HGCA_NULL_POINTER, "bounds is null".into()))?;
+        let b = unsafe { deref_mut(bounds, "bounds") }?;
         // SAFETY: as above.
-        let cache = unsafe { deref(cache, "cache") }?;
+        let cache = unsafe { sized(cache, "cache") }?;
         // SAFETY: as above.
-        let table = unsafe { deref(table, "table") }?;
+        let table = unsafe { sized(table, "table") }?;
         if cache.dtype != b.dtype {
             return fail(
                 HGCA_UNSUPPORTED,
@@ -1361,13 +1455,13 @@ pub unsafe extern "C" fn hgca_page_upper_bounds(
         // SAFETY: the caller's contract, for each pointer below.
         let cpu = &unsafe { deref(cpu, "cpu") }?.cpu;
         // SAFETY: as above.
-        let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+        let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
         // SAFETY: as above.
         let q = unsafe { slice(q, q_len, "q") }?;
         // SAFETY: as above.
-        let cache = unsafe { deref(cache, "cache") }?;
+        let cache = unsafe { sized(cache, "cache") }?;
         // SAFETY: as above.
-        let table = unsafe { deref(table, "table") }?;
+        let table = unsafe { sized(table, "table") }?;
         // SAFETY: as above.
         let b = unsafe { deref(bounds, "bounds") }?;
         // SAFETY: as above.
@@ -1410,8 +1504,7 @@ pub unsafe extern "C" fn hgca_select_top_pages(
         // SAFETY: the caller's contract.
         let ub = unsafe { slice(ub, ub_len, "ub") }?;
         // SAFETY: as above.
-        let out =
-            unsafe { out.as_mut() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, "out is null".into()))?;
+        let out = unsafe { deref_mut(out, "out") }?;
         let mut sel = Selection::new();
         hgca_kernels::select_top_pages(ub, kv_heads, pages, block_size, tokens, k, &mut sel)?;
         write_selection(&sel, out)
@@ -1444,8 +1537,7 @@ pub unsafe extern "C" fn hgca_select_by_mass(
         // SAFETY: the caller's contract.
         let ub = unsafe { slice(ub, ub_len, "ub") }?;
         // SAFETY: as above.
-        let out =
-            unsafe { out.as_mut() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, "out is null".into()))?;
+        let out = unsafe { deref_mut(out, "out") }?;
         // SAFETY: as above.
         let rep = unsafe { slice_mut(reports, reports_len, "reports") }?;
         hgca_kernels::check_len("reports", kv_heads, rep.len())?;
@@ -1517,8 +1609,7 @@ pub unsafe extern "C" fn hgca_select_threshold(
         // SAFETY: as above.
         let b = unsafe { slice(betas, kv_heads, "betas") }?;
         // SAFETY: as above.
-        let out =
-            unsafe { out.as_mut() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, "out is null".into()))?;
+        let out = unsafe { deref_mut(out, "out") }?;
         let beta = hgca_kernels::Beta::new(b.to_vec())?;
         let mut sel = Selection::new();
         hgca_kernels::select_paper(m, tokens, &beta, n_gpu, &mut sel)?;
@@ -1577,9 +1668,9 @@ pub unsafe extern "C" fn hgca_hybrid_new(
 ) -> hgca_status {
     guard(|| {
         // SAFETY: the caller's contract.
-        let shape = shape_of(unsafe { deref(shape, "shape") }?)?;
+        let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
         // SAFETY: as above.
-        let c = unsafe { deref(cfg, "cfg") }?;
+        let c = unsafe { sized(cfg, "cfg") }?;
         check_size::<hgca_hybrid_config>(c.size, "hgca_hybrid_config")?;
         if out.is_null() {
             return fail(HGCA_NULL_POINTER, "out is null");
@@ -1609,11 +1700,7 @@ pub unsafe extern "C" fn hgca_hybrid_new(
             recovery,
             refresh_queries: c.refresh_queries,
         };
-        let par = match c.threads {
-            1 => Par::Seq,
-            n => Par::Rayon(n as usize),
-        };
-        let cpu = CpuBackend::new().with_par(par)?;
+        let cpu = CpuBackend::new().with_par(Par::from_threads(c.threads as usize))?;
         let inner = match c.dtype {
             HGCA_DTYPE_F32 => HybridAny::F32(HybridAttention::cpu_on(shape, cfg, cpu)?),
             HGCA_DTYPE_F16 => HybridAny::F16(HybridAttention::cpu_on(shape, cfg, cpu)?),
@@ -1659,7 +1746,7 @@ macro_rules! with_layer {
 /// `h` null or a live layer not used by another thread for the call.
 unsafe fn layer<'a>(h: *mut hgca_hybrid) -> R<&'a mut hgca_hybrid> {
     // SAFETY: the caller's contract.
-    unsafe { h.as_mut() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, "layer is null".into()))
+    unsafe { deref_mut(h, "layer") }
 }
 
 /// Runs `n` tokens through the layer: `q [n, q_heads, d]`, `k`, `v` `[n,
@@ -1776,9 +1863,9 @@ pub unsafe extern "C" fn hgca_hybrid_stats(
         // SAFETY: the caller's contract.
         let h = unsafe { deref(h, "layer") }?;
         // SAFETY: as above.
-        let o =
-            unsafe { out.as_mut() }.ok_or_else(|| Fail(HGCA_NULL_POINTER, "out is null".into()))?;
-        check_size::<hgca_step_stats>(o.size, "hgca_step_stats")?;
+        unsafe { sized(out.cast_const(), "out") }?;
+        // SAFETY: as above (checked non-null, aligned, of this library's size).
+        let o = unsafe { deref_mut(out, "out") }?;
         let s = with_layer!(&h.inner, l => l.stats().clone());
         let _ = h.shape;
         *o = hgca_step_stats {

@@ -26,6 +26,18 @@ pub enum Par {
     Rayon(usize),
 }
 
+impl Par {
+    /// The parallelism of a thread count as C and Python callers give it:
+    /// 1 is the calling thread ([`Par::Seq`]), 0 rayon's global pool, `n`
+    /// a pool of `n` threads.
+    pub fn from_threads(threads: usize) -> Par {
+        match threads {
+            1 => Par::Seq,
+            n => Par::Rayon(n),
+        }
+    }
+}
+
 /// Tokens a chunk of the work attends to smallest (smaller splits cost more in merges than they win).
 const MIN_CHUNK: usize = 256;
 
@@ -409,7 +421,7 @@ impl CpuBackend {
         let hsub = group.div_ceil(subs);
         let base = units.len() * subs;
         let threads = if par == Par::Seq { 1 } else { self.threads() };
-        let chunks = if threads > 1 && base < 4 * threads {
+        let chunks = if threads > 1 && base > 0 && base < 4 * threads {
             (4 * threads)
                 .div_ceil(base)
                 .min((max_len / MIN_CHUNK).max(1))
@@ -523,7 +535,8 @@ impl CpuBackend {
         };
         let mut scratch = SCRATCH.take();
         let qs_len = units.len() * group * d;
-        scratch.clear();
+        // Every element is written before it is read (queries scaled,
+        // each task's output zeroed, lse and scores written): no clearing.
         scratch.resize(qs_len + n_tasks * stride, 0.0);
         let (qs, work) = scratch.split_at_mut(qs_len);
         let scale = shape.scale();
@@ -809,8 +822,11 @@ pub enum BatchTokens<'a> {
 /// Shard `ith` of `nth` of a call, for running a call on the caller's own
 /// thread pool (as ggml runs custom ops): each shard computes a contiguous
 /// range of (sequence, KV head) units on the calling thread, without
-/// rayon, and the shards `0..nth` together give exactly the whole call's
-/// result. With more shards than units, some shards are empty.
+/// rayon, and the shards `0..nth` together give, bit for bit, the whole
+/// call on a sequential backend ([`Par::Seq`]; a threaded whole call may
+/// split a long sequence's tokens into chunks merged by LSE, which rounds
+/// differently in the last bits). With more shards than units, some
+/// shards are empty.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shard {
     ith: usize,
@@ -960,16 +976,19 @@ impl CpuBackend {
 
     /// The part of a batched decode's `weights` (as [`CpuBackend::decode_batch`]
     /// lays them out) that `shard` writes.
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] when the selections are not one per sequence.
     pub fn shard_weights<T: SimdElem>(
         shape: &AttnShape,
         kv: &PagedBatch<'_, T>,
         tokens: BatchTokens<'_>,
         shard: Shard,
-    ) -> std::ops::Range<usize> {
+    ) -> Result<std::ops::Range<usize>> {
         let hk = shape.kv_heads();
         let u = shard.units(kv.batch() * hk);
-        let w = batch_weights(shape, kv, tokens);
-        w.at(hk, u.start)..w.at(hk, u.end)
+        let w = batch_weights(shape, kv, tokens)?;
+        Ok(w.at(hk, u.start)..w.at(hk, u.end))
     }
 
     /// Shard `shard` of [`CpuBackend::decode_batch`], computed on the
@@ -1059,15 +1078,8 @@ impl CpuBackend {
         let (hk, d) = (shape.kv_heads(), shape.head_dim());
         kv.check_shape(shape)?;
         check_len("q [batch, q_heads, d]", b * shape.q_len(), q.len())?;
-        let bw = batch_weights(shape, kv, tokens);
+        let bw = batch_weights(shape, kv, tokens)?;
         if let Some(sels) = &bw.sels {
-            if sels.len() != b {
-                return Err(Error::ShapeMismatch {
-                    what: "selections (one per sequence)",
-                    expected: b.to_string(),
-                    found: sels.len().to_string(),
-                });
-            }
             for (t, s) in sels.iter().enumerate() {
                 s.validate(hk, kv.seq_len(t))?;
             }
@@ -1118,6 +1130,7 @@ impl CpuBackend {
         out: &mut [f32],
     ) -> Result<()> {
         seq.check_shape(shape)?;
+        bounds.check_pool(seq.pool().layout())?;
         check_len("q", shape.q_len(), q.len())?;
         let pages = seq.pages();
         let (hk, d, group) = (shape.kv_heads(), shape.head_dim(), shape.group());
@@ -1126,10 +1139,8 @@ impl CpuBackend {
             hk * pages.len(),
             out.len(),
         )?;
-        let bs = seq.pool().layout().block_size;
         for (slot, &p) in pages.iter().enumerate() {
-            let holds = seq.tokens().saturating_sub(slot * bs).min(bs);
-            if bounds.filled(p as usize) < holds {
+            if bounds.filled(p as usize) < seq.page_tokens(slot) {
                 return Err(Error::Param {
                     what: "page bounds (tokens covered)",
                     value: bounds.filled(p as usize) as f64,
@@ -1154,11 +1165,12 @@ impl CpuBackend {
     }
 }
 
+/// The batch's weight offsets, its selections checked to be one per sequence.
 fn batch_weights<'a, T: SimdElem>(
     shape: &AttnShape,
     kv: &PagedBatch<'_, T>,
     tokens: BatchTokens<'a>,
-) -> BatchWeights<'a> {
+) -> Result<BatchWeights<'a>> {
     let group = shape.group();
     let lens: Vec<usize> = (0..kv.batch()).map(|t| kv.seq_len(t)).collect();
     let sels = match tokens {
@@ -1166,21 +1178,30 @@ fn batch_weights<'a, T: SimdElem>(
         BatchTokens::Sparse(s) => Some(s.iter().map(Selection::as_view).collect::<Vec<_>>()),
         BatchTokens::SparseRef(s) => Some(s.to_vec()),
     };
+    if let Some(s) = &sels
+        && s.len() != kv.batch()
+    {
+        return Err(Error::ShapeMismatch {
+            what: "selections (one per sequence)",
+            expected: kv.batch().to_string(),
+            found: s.len().to_string(),
+        });
+    }
     let mut base = Vec::with_capacity(lens.len() + 1);
     base.push(0);
     for (t, &len) in lens.iter().enumerate() {
         let n = match &sels {
-            Some(s) => group * s.get(t).map_or(0, SelectionRef::total),
+            Some(s) => group * s[t].total(),
             None => shape.q_heads() * len,
         };
         base.push(base[t] + n);
     }
-    BatchWeights {
+    Ok(BatchWeights {
         base,
         group,
         sels,
         lens,
-    }
+    })
 }
 
 /// `Σ_i c[i] * w[i * stride + k..][..LANES]` plus `init`, as fused multiply-adds.

@@ -438,6 +438,16 @@ macro_rules! isa_suite {
             }
 
             #[test]
+            fn paged_empty_batches_and_page_reuse() {
+                for par in [Par::Seq, Par::Rayon(3)] {
+                    if let Some(b) = backend($kind, par) {
+                        paged::empty_batch(&b);
+                        paged::page_reuse(&b);
+                    }
+                }
+            }
+
+            #[test]
             fn paged_shards_equal_the_whole_call() {
                 let Some(b) = backend($kind, Par::Rayon(2)) else { return };
                 for nth in [1, 2, 3, 5, 16, 40] {

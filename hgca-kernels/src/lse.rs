@@ -173,7 +173,15 @@ pub fn merge_states(
     lse: &mut [f32],
 ) -> Result<()> {
     let (t, h) = (layout.n_tokens, layout.q_heads);
-    let mut natural = vec![0.0f32; layout.rows() * parts.len()];
+    // Every length first: nothing is allocated for a layout the buffers do not hold.
+    let (rows, out_len) = checked_sizes(layout)?;
+    for (o, l) in parts {
+        check_len("part out", out_len, o.len())?;
+        check_len("part lse", rows, l.len())?;
+    }
+    check_len("out", out_len, out.len())?;
+    check_len("lse", rows, lse.len())?;
+    let mut natural = vec![0.0f32; rows * parts.len()];
     for ((_, l), nat) in parts.iter().zip(natural.chunks_mut(layout.rows().max(1))) {
         fmt.read(l, t, h, nat)?;
     }
@@ -208,8 +216,13 @@ pub fn merge_states_into(
     src_lse: &[f32],
 ) -> Result<()> {
     let (t, h) = (layout.n_tokens, layout.q_heads);
-    let mut a = vec![0.0f32; layout.rows()];
-    let mut b = vec![0.0f32; layout.rows()];
+    let (rows, out_len) = checked_sizes(layout)?;
+    check_len("out", out_len, out.len())?;
+    check_len("lse", rows, lse.len())?;
+    check_len("src out", out_len, src_out.len())?;
+    check_len("src lse", rows, src_lse.len())?;
+    let mut a = vec![0.0f32; rows];
+    let mut b = vec![0.0f32; rows];
     fmt.read(lse, t, h, &mut a)?;
     fmt.read(src_lse, t, h, &mut b)?;
     crate::merge_into(
@@ -217,4 +230,19 @@ pub fn merge_states_into(
         crate::PartialRef::new(layout, src_out, &b)?,
     )?;
     fmt.write(&a, t, h, lse)
+}
+
+/// Rows and `out` elements of `layout`, or [`crate::Error::Capacity`] when they overflow.
+fn checked_sizes(layout: crate::PartialLayout) -> Result<(usize, usize)> {
+    let over = || crate::Error::Capacity {
+        what: "partial elements",
+        capacity: usize::MAX,
+        requested: layout.n_tokens,
+    };
+    let rows = layout
+        .n_tokens
+        .checked_mul(layout.q_heads)
+        .ok_or_else(over)?;
+    let out = rows.checked_mul(layout.head_dim).ok_or_else(over)?;
+    Ok((rows, out))
 }

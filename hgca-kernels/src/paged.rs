@@ -243,8 +243,8 @@ impl<'a, T: KvElem> PagedPool<'a, T> {
         let what = "cache elements";
         let page = mul(what, mul(what, kv_heads, block_size)?, head_dim)?;
         let (token_stride, head_stride) = match order {
-            Order::Nhd => (kv_heads * head_dim, head_dim),
-            Order::Hnd => (head_dim, block_size * head_dim),
+            Order::Nhd => (mul(what, kv_heads, head_dim)?, head_dim),
+            Order::Hnd => (head_dim, mul(what, block_size, head_dim)?),
         };
         let (block_stride, v_offset) = match halves {
             Halves::Separate => (page, 0),
@@ -815,6 +815,11 @@ impl<'a, T: KvElem> PagedSeq<'a, T> {
         &self.pool
     }
 
+    /// Tokens of this sequence in its page slot `slot` (0 past the last).
+    pub fn page_tokens(&self, slot: usize) -> usize {
+        crate::pages::page_tokens(self.len, self.pool.layout.block_size, slot)
+    }
+
     #[inline(always)]
     fn locate(&self, h: usize, j: usize) -> usize {
         debug_assert!(
@@ -838,13 +843,11 @@ impl<T: KvElem> KvSource<T> for PagedSeq<'_, T> {
     }
     #[inline(always)]
     fn k_row(&self, h: usize, j: usize) -> &[T] {
-        let o = self.pool.k_offset + self.locate(h, j);
-        &self.pool.k[o..o + self.pool.layout.head_dim]
+        self.kv_rows(h, j).0
     }
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
-        let o = self.pool.v_offset + self.locate(h, j);
-        &self.pool.v[o..o + self.pool.layout.head_dim]
+        self.kv_rows(h, j).1
     }
     #[inline(always)]
     fn kv_rows(&self, h: usize, j: usize) -> (&[T], &[T]) {

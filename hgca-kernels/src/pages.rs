@@ -89,7 +89,8 @@ impl<T: KvElem> PageBounds<T> {
     /// Brings page `page` up to its first `filled` tokens, read from `seq`
     /// (the sequence holding it: `seq.pages()[slot] == page`): tokens the
     /// bounds already cover are not read again; `filled` below the covered
-    /// count (the engine reused the page) rebuilds them from its start.
+    /// count rebuilds them from the page's start. A page given to another
+    /// sequence must be [`PageBounds::reset`] first.
     ///
     /// # Errors
     /// [`Error::Index`] when `slot` is not one of `seq`'s pages,
@@ -97,30 +98,7 @@ impl<T: KvElem> PageBounds<T> {
     /// `seq`, [`Error::ShapeMismatch`] when `seq`'s pool differs in
     /// geometry from these bounds.
     pub fn update(&mut self, seq: &PagedSeq<'_, T>, slot: usize, filled: usize) -> Result<()> {
-        let l = seq.pool().layout();
-        if (l.kv_heads, l.head_dim, l.block_size, l.num_blocks)
-            != (
-                self.kv_heads,
-                self.head_dim,
-                self.block_size,
-                self.num_blocks(),
-            )
-        {
-            return Err(Error::ShapeMismatch {
-                what: "page bounds (kv_heads, head_dim, block_size, num_blocks)",
-                expected: format!(
-                    "({}, {}, {}, {})",
-                    self.kv_heads,
-                    self.head_dim,
-                    self.block_size,
-                    self.num_blocks()
-                ),
-                found: format!(
-                    "({}, {}, {}, {})",
-                    l.kv_heads, l.head_dim, l.block_size, l.num_blocks
-                ),
-            });
-        }
+        self.check_pool(seq.pool().layout())?;
         let pages = seq.pages();
         let Some(&page) = pages.get(slot) else {
             return Err(Error::Index {
@@ -130,7 +108,7 @@ impl<T: KvElem> PageBounds<T> {
             });
         };
         let first = slot * self.block_size;
-        let holds = seq.tokens().saturating_sub(first).min(self.block_size);
+        let holds = seq.page_tokens(slot);
         if filled > holds {
             return Err(Error::Capacity {
                 what: "tokens of the page filled",
@@ -170,12 +148,52 @@ impl<T: KvElem> PageBounds<T> {
     /// # Errors
     /// As [`PageBounds::update`].
     pub fn update_seq(&mut self, seq: &PagedSeq<'_, T>) -> Result<()> {
-        let bs = self.block_size;
         for slot in 0..seq.pages().len() {
-            let holds = seq.tokens().saturating_sub(slot * bs).min(bs);
-            self.update(seq, slot, holds)?;
+            self.update(seq, slot, seq.page_tokens(slot))?;
         }
         Ok(())
+    }
+
+    /// Forgets page `page`'s bounds (0 tokens covered). An engine that
+    /// frees a page and hands it to another sequence resets it: the bounds
+    /// cannot see that the keys changed when the new owner fills the page
+    /// to as many tokens as before (past the last page: nothing).
+    pub fn reset(&mut self, page: usize) {
+        if let Some(f) = self.filled.get_mut(page) {
+            *f = 0;
+        }
+    }
+
+    /// Checks that a pool of `layout` is the one these bounds are for
+    /// (heads, head dim, block size, pages).
+    ///
+    /// # Errors
+    /// [`Error::ShapeMismatch`] naming the four counts.
+    pub fn check_pool(&self, l: &PagedLayout) -> Result<()> {
+        if (l.kv_heads, l.head_dim, l.block_size, l.num_blocks)
+            == (
+                self.kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.num_blocks(),
+            )
+        {
+            return Ok(());
+        }
+        Err(Error::ShapeMismatch {
+            what: "page bounds (kv_heads, head_dim, block_size, num_blocks)",
+            expected: format!(
+                "({}, {}, {}, {})",
+                self.kv_heads,
+                self.head_dim,
+                self.block_size,
+                self.num_blocks()
+            ),
+            found: format!(
+                "({}, {}, {}, {})",
+                l.kv_heads, l.head_dim, l.block_size, l.num_blocks
+            ),
+        })
     }
 }
 
@@ -210,6 +228,13 @@ fn check_ub(
         });
     }
     Ok(())
+}
+
+/// Tokens of page slot `slot` of a sequence of `tokens` in pages of `block_size`.
+pub(crate) fn page_tokens(tokens: usize, block_size: usize, slot: usize) -> usize {
+    tokens
+        .saturating_sub(slot.saturating_mul(block_size))
+        .min(block_size)
 }
 
 /// Appends the token indices of the sequence's page slots `slots` (sorted
@@ -334,7 +359,7 @@ pub fn select_by_mass(
     check_ub(ub, kv_heads, pages, block_size, tokens)?;
     sel.clear();
     report.clear();
-    let count = |p: usize| ((p + 1) * block_size).min(tokens) - p * block_size;
+    let count = |p: usize| page_tokens(tokens, block_size, p);
     for g in 0..kv_heads {
         let row = &ub[g * pages..(g + 1) * pages];
         let order = ranked(row);

@@ -458,11 +458,9 @@ fn backend(threads: usize) -> PyResult<CpuBackend> {
     if let Some(b) = m.get(&threads) {
         return Ok(b.clone());
     }
-    let par = match threads {
-        1 => Par::Seq,
-        n => Par::Rayon(n),
-    };
-    let b = CpuBackend::new().with_par(par).py()?;
+    let b = CpuBackend::new()
+        .with_par(Par::from_threads(threads))
+        .py()?;
     m.insert(threads, b.clone());
     Ok(b)
 }
@@ -796,7 +794,11 @@ fn decode<'py>(
             Some(s) => BatchTokens::Sparse(s),
             None => BatchTokens::Dense,
         };
-        let wlen = return_weights.then(|| CpuBackend::shard_weights(&shape, &batch, tokens, hgca_cpu::Shard::WHOLE).len());
+        let wlen = if return_weights {
+            Some(CpuBackend::shard_weights(&shape, &batch, tokens, hgca_cpu::Shard::WHOLE).py()?.len())
+        } else {
+            None
+        };
         let (o, l, w) = py.detach(|| {
             let t1 = std::time::Instant::now();
             let (mut o, mut l) = (vec![0.0f32; b * qh * d], vec![0.0f32; b * qh]);
@@ -1003,6 +1005,15 @@ impl KeyBounds {
             _ => Err(PyTypeError::new_err(
                 "kv_cache dtype differs from the one the bounds were made for",
             )),
+        }
+    }
+
+    /// Forgets page `page`'s bounds (a page given to another sequence).
+    fn reset(&mut self, page: usize) {
+        match &mut self.inner {
+            BoundsAny::F32(b) => b.reset(page),
+            BoundsAny::F16(b) => b.reset(page),
+            BoundsAny::Bf16(b) => b.reset(page),
         }
     }
 

@@ -382,6 +382,21 @@ static void test_selection(hgca_cpu *cpu) {
     OK(hgca_select_threshold(maw, HK * 10, HK, 10, betas, 2, &ts));
     /* threshold 0.5: head 0 keeps 0.6..0.9 and maw[3] = 0.65; head 1 keeps maw[12] = 0.6 and 0.6..0.9 */
     CHECK(offs[1] == 5 && ts.written == 10, "threshold select: %zu then %zu", offs[1], ts.written);
+    /* A page handed to another owner: reset, then the bounds follow the new keys. */
+    seq_ctx ctx0 = {0};
+    float *k0 = (float *)vllm_row(&ctx0, 0, 0, 0);
+    float saved0 = k0[0];
+    k0[0] = 100.0f;
+    OK(hgca_page_bounds_update(pb, &c, &t, 0));
+    uint32_t p0 = table[0];
+    OK(hgca_page_bounds_reset(pb, p0));
+    OK(hgca_page_bounds_update(pb, &c, &t, 0));
+    float qe[QH * D] = {0};
+    qe[0] = 1.0f; /* head 0 (KV head 0) scores k[0] / sqrt(D) */
+    OK(hgca_page_upper_bounds(cpu, &shape, qe, QH * D, &c, &t, 0, pb, ub, HK * pages));
+    CHECK(ub[0] >= 100.0 / sqrt((double)D) - 1e-4, "reset page bounds follow the new keys: %f", ub[0]);
+    k0[0] = saved0;
+    CHECK(hgca_page_bounds_reset(NULL, 0) == HGCA_NULL_POINTER, "reset of a null handle");
     hgca_page_bounds_free(pb);
 }
 
@@ -492,6 +507,12 @@ static void test_bad_input(hgca_cpu *cpu) {
     hgca_shape small = shape;
     small.size = 4;
     CHECK(hgca_decode_batch(cpu, &small, q, B * QH * D, &c, &t, NULL, 0, &o) == HGCA_ABI && has(hgca_last_error(), "sizeof"), "size field");
+    /* A truly smaller (older) struct: only its size is read (ASan sees any read past it). */
+    uint32_t *older = malloc(sizeof *older);
+    *older = sizeof *older;
+    CHECK(hgca_decode_batch(cpu, (const hgca_shape *)(const void *)older, q, B * QH * D, &c, &t, NULL, 0, &o) == HGCA_ABI,
+          "an older, smaller struct is refused without reading past it");
+    free(older);
     hgca_paged_cache bad_layout = c;
     bad_layout.layout = 99;
     CHECK(hgca_decode_batch(cpu, &shape, q, B * QH * D, &bad_layout, &t, NULL, 0, &o) == HGCA_PARAM, "unknown layout");

@@ -449,6 +449,96 @@ pub fn edge_table(cpu: &CpuBackend) {
     }
 }
 
+/// An empty batch (no sequences) and sequences of no tokens are valid:
+/// nothing to write, no error, on every parallelism (a threaded plan over
+/// zero units must not divide by zero).
+pub fn empty_batch(cpu: &CpuBackend) {
+    let shape = AttnShape::new(4, 2, 8).unwrap();
+    let k = vec![0.5f32; 2 * 3 * 2 * 4 * 8];
+    let pool = PagedPool::vllm_cpu(&k, 3, 2, 4, 8).unwrap();
+    let none = PagedBatch::new(pool, BlockTable::dense(&[], 2, &[]).unwrap()).unwrap();
+    let (mut o, mut l) = (Vec::<f32>::new(), Vec::<f32>::new());
+    for tokens in [BatchTokens::Dense, BatchTokens::Sparse(&[])] {
+        cpu.decode_batch(
+            &shape,
+            &[],
+            &none,
+            tokens,
+            &mut o,
+            &mut l,
+            LseFormat::VLLM,
+            Some(&mut []),
+        )
+        .unwrap();
+        cpu.decode_batch_shard(
+            Shard::new(1, 3).unwrap(),
+            &shape,
+            &[],
+            &none,
+            tokens,
+            &mut o,
+            &mut l,
+            LseFormat::NATURAL,
+            None,
+        )
+        .unwrap();
+    }
+    let zero = PagedBatch::new(pool, BlockTable::dense(&[0, 0], 1, &[0, 0]).unwrap()).unwrap();
+    let (mut o, mut l) = (vec![f32::NAN; 2 * 4 * 8], vec![f32::NAN; 2 * 4]);
+    cpu.decode_batch(
+        &shape,
+        &[1.0; 64],
+        &zero,
+        BatchTokens::Dense,
+        &mut o,
+        &mut l,
+        LseFormat::NATURAL,
+        None,
+    )
+    .unwrap();
+    assert!(o.iter().all(|&x| x == 0.0) && l.iter().all(|&x| x == f32::NEG_INFINITY));
+    let seq = zero.seq(0).unwrap();
+    let mut out = hgca_kernels::Partial::poisoned(hgca_kernels::PartialLayout::append(&shape, 0));
+    cpu.dense_append(&shape, &[], 0, 1, &seq, out.as_mut())
+        .unwrap();
+}
+
+/// A page handed to another owner and filled to as many tokens as before:
+/// the bounds cannot see it (the count is equal), `reset` makes them follow
+/// the new keys.
+pub fn page_reuse(cpu: &CpuBackend) {
+    let shape = AttnShape::new(2, 1, 4).unwrap();
+    let mut k = vec![0.0f32; 2 * 2 * 4 * 4]; // (2, pages 2, heads 1, block 4, d 4)
+    let mut q = [0.0f32; 8];
+    q[0] = 1.0;
+    let q = q;
+    let ub_of = |k: &[f32], bounds: &mut PageBounds<f32>, reset: bool| {
+        let pool = PagedPool::vllm_cpu(k, 2, 1, 4, 4).unwrap();
+        let seq = PagedSeq::new(pool, &[1], 4).unwrap();
+        if reset {
+            bounds.reset(1);
+        }
+        bounds.update_seq(&seq).unwrap();
+        let mut ub = [0.0f32; 1];
+        cpu.page_upper_bounds(&shape, &q, &seq, bounds, &mut ub)
+            .unwrap();
+        ub[0]
+    };
+    let pool = PagedPool::vllm_cpu(&k, 2, 1, 4, 4).unwrap();
+    let mut bounds = PageBounds::new(pool.layout()).unwrap();
+    assert_eq!(ub_of(&k, &mut bounds, false), 0.0);
+    k[(4 + 1) * 4] = 9.0; // page 1, token 1, dim 0: the new owner's key
+    assert_eq!(
+        ub_of(&k, &mut bounds, false),
+        0.0,
+        "equal fill: the stale bound stays"
+    );
+    assert_eq!(
+        ub_of(&k, &mut bounds, true),
+        9.0 * shape.scale(),
+        "after reset"
+    );
+}
 /// Shards `0..nth`, each computed alone into its own slices, concatenated,
 /// are bit for bit the whole call (sequential), weights included.
 pub fn shards_case(cpu: &CpuBackend, nth: usize, sparse: bool, seed: u64) -> Result<(), String> {
@@ -479,7 +569,9 @@ pub fn shards_case(cpu: &CpuBackend, nth: usize, sparse: bool, seed: u64) -> Res
     let q: Vec<f32> = probs.iter().flat_map(|p| p.q.iter().copied()).collect();
     let (qh, d, b) = (12, 32, lens.len());
     let whole_cpu = cpu.clone().with_par(Par::Seq).unwrap();
-    let wlen = CpuBackend::shard_weights(&shape, &batch, tokens, Shard::WHOLE).len();
+    let wlen = CpuBackend::shard_weights(&shape, &batch, tokens, Shard::WHOLE)
+        .unwrap()
+        .len();
     let (mut o, mut l, mut w) = (vec![0.0; b * qh * d], vec![0.0; b * qh], vec![0.0; wlen]);
     whole_cpu
         .decode_batch(
@@ -497,7 +589,7 @@ pub fn shards_case(cpu: &CpuBackend, nth: usize, sparse: bool, seed: u64) -> Res
     for ith in 0..nth {
         let shard = Shard::new(ith, nth).unwrap();
         let rows = CpuBackend::shard_rows(&shape, b, shard);
-        let wr = CpuBackend::shard_weights(&shape, &batch, tokens, shard);
+        let wr = CpuBackend::shard_weights(&shape, &batch, tokens, shard).unwrap();
         let (mut a, mut c, mut e) = (
             vec![f32::NAN; rows.len() * d],
             vec![f32::NAN; rows.len()],
@@ -916,6 +1008,18 @@ pub fn bad_input_table() {
     assert!(matches!(
         cpu.page_upper_bounds(&shape, &q, &seq, &bounds, &mut ub),
         Err(Error::Param { .. })
+    ));
+    // Bounds of another pool's geometry are refused, not trusted.
+    let other = PagedPool::vllm_cpu(&k[..2 * 4 * 2 * 8 * 8], 4, 2, 8, 8).unwrap();
+    let alien = PageBounds::<f32>::new(other.layout()).unwrap();
+    assert!(matches!(
+        cpu.page_upper_bounds(&shape, &q, &seq, &alien, &mut ub),
+        Err(Error::ShapeMismatch { .. })
+    ));
+    // Weight ranges of a shard need one selection per sequence.
+    assert!(matches!(
+        CpuBackend::shard_weights(&shape, &batch, BatchTokens::Sparse(&[]), Shard::WHOLE),
+        Err(Error::ShapeMismatch { .. })
     ));
     assert!(matches!(
         hgca_kernels::MassTarget::new(0.0, 1.0),

@@ -89,6 +89,8 @@ class KeyBounds:
     def __init__(self, kv_cache: Cache, *, layout: Layout = "vllm_cpu", dtype: KvDType = None) -> None: ...
     def update(self, kv_cache: Cache, block_table: I32, seq_lens: I32, seq: int, *, dtype: KvDType = None) -> None:
         """Brings the bounds of sequence ``seq``'s pages up to its tokens (only new tokens are read)."""
+    def reset(self, page: int) -> None:
+        """Forgets a page's bounds: call it when the engine gives the page to another sequence."""
     def upper_bounds(
         self,
         q: F32,
