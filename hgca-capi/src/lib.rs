@@ -1154,17 +1154,21 @@ pub unsafe extern "C" fn hgca_shard_rows(
     guard(|| {
         // SAFETY: the caller's contract.
         let shape = shape_of(unsafe { sized(shape, "shape") }?)?;
-        if first.is_null() || count.is_null() {
-            return fail(HGCA_NULL_POINTER, "first or count is null");
-        }
         let r = CpuBackend::shard_rows(&shape, batch, Shard::new(ith, nth)?);
-        // SAFETY: non-null, valid for writes by the contract.
-        unsafe {
-            first.write(r.start);
-            count.write(r.len());
-        }
-        Ok(())
+        // SAFETY: the caller's contract on `first` and `count`.
+        unsafe { write_range(r, first, count) }
     })
+}
+
+/// Writes `r` as `*first` and `*count`.
+///
+/// # Safety
+/// `first` and `count` are null or valid for writes.
+unsafe fn write_range(r: std::ops::Range<usize>, first: *mut usize, count: *mut usize) -> R {
+    // SAFETY: the caller's contract (null and alignment checked there).
+    let (f, c) = unsafe { (deref_mut(first, "first")?, deref_mut(count, "count")?) };
+    (*f, *c) = (r.start, r.len());
+    Ok(())
 }
 
 /// The part of a batched decode's weights that shard `ith` of `nth`
@@ -1199,19 +1203,12 @@ pub unsafe extern "C" fn hgca_shard_weights(
             // SAFETY: the caller's contract on the selections.
             unsafe { selections(sels, n_sels) }?
         };
-        if first.is_null() || count.is_null() {
-            return fail(HGCA_NULL_POINTER, "first or count is null");
-        }
         with_dtype!(cache.dtype, T => {
             // SAFETY: as above.
             let batch = unsafe { batch_of(pool_of::<T>(cache)?, table) }?;
             let r = CpuBackend::shard_weights(&shape, &batch, tokens_of(&sels, dense), Shard::new(ith, nth)?)?;
-            // SAFETY: non-null, valid for writes by the contract.
-            unsafe {
-                first.write(r.start);
-                count.write(r.len());
-            }
-            Ok(())
+            // SAFETY: the caller's contract on `first` and `count`.
+            unsafe { write_range(r, first, count) }
         })
     })
 }
