@@ -120,6 +120,53 @@ fn group(
     g
 }
 
+/// One sequence's decode on a backend, dense or over its selections in turn.
+struct Run<'a> {
+    cpu: &'a CpuBackend,
+    shape: &'a AttnShape,
+    q: &'a [f32],
+    sels: &'a [Selection],
+    dense: bool,
+}
+
+impl Run<'_> {
+    /// Benches the decode over `kv` as `id` (store and views alike).
+    #[allow(clippy::too_many_arguments)]
+    fn bench<K: hgca_kernels::KvSource<f16>>(
+        &self,
+        crit: &mut Criterion,
+        rep: &Report,
+        id: &str,
+        by: u64,
+        ws: usize,
+        threads: usize,
+        kv: &K,
+        out: &mut Partial,
+    ) {
+        let mut turn = 0;
+        let mut g = group(crit, by);
+        g.bench_function(id, |bch| {
+            bch.iter_custom(|iters| {
+                rep.time(id, by, ws, threads, 20, iters, || {
+                    let (shape, q) = (self.shape, black_box(self.q));
+                    if self.dense {
+                        self.cpu
+                            .dense_decode(shape, q, kv, out.as_mut(), None)
+                            .unwrap();
+                    } else {
+                        turn += 1;
+                        let sel = &self.sels[turn % self.sels.len()];
+                        self.cpu
+                            .sparse_decode(shape, q, kv, sel, out.as_mut(), None)
+                            .unwrap();
+                    }
+                })
+            })
+        });
+        g.finish();
+    }
+}
+
 /// One sequence, store against paged views.
 fn single(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str) {
     let n = 64 << 10;
@@ -148,31 +195,14 @@ fn single(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str
             let by = bytes(sel_total, 1);
             let sid = id("store");
             if filter.as_deref().is_none_or(|f| sid.contains(f)) {
-                let mut turn = 0;
-                let mut g = group(crit, by);
-                g.bench_function(&sid, |bch| {
-                    bch.iter_custom(|iters| {
-                        rep.time(&sid, by, ws, threads, 20, iters, || {
-                            if kernel == "dense" {
-                                cpu.dense_decode(&shape, black_box(&q), &store, out.as_mut(), None)
-                                    .unwrap();
-                            } else {
-                                turn += 1;
-                                let sel = &s.sels[turn % s.sels.len()];
-                                cpu.sparse_decode(
-                                    &shape,
-                                    black_box(&q),
-                                    &store,
-                                    sel,
-                                    out.as_mut(),
-                                    None,
-                                )
-                                .unwrap();
-                            }
-                        })
-                    })
-                });
-                g.finish();
+                let run = Run {
+                    cpu: &cpu,
+                    shape: &shape,
+                    q: &q,
+                    sels: &s.sels,
+                    dense: kernel == "dense",
+                };
+                run.bench(crit, rep, &sid, by, ws, threads, &store, &mut out);
             }
             for bs in [1usize, 16, 64, 256] {
                 let pid = id(&format!("vllm_cpu-bs{bs}"));
@@ -188,31 +218,14 @@ fn single(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str
                 )
                 .unwrap();
                 let view = batch.seq(0).unwrap();
-                let mut turn = 0;
-                let mut g = group(crit, by);
-                g.bench_function(&pid, |bch| {
-                    bch.iter_custom(|iters| {
-                        rep.time(&pid, by, ws, threads, 20, iters, || {
-                            if kernel == "dense" {
-                                cpu.dense_decode(&shape, black_box(&q), &view, out.as_mut(), None)
-                                    .unwrap();
-                            } else {
-                                turn += 1;
-                                let sel = &s.sels[turn % s.sels.len()];
-                                cpu.sparse_decode(
-                                    &shape,
-                                    black_box(&q),
-                                    &view,
-                                    sel,
-                                    out.as_mut(),
-                                    None,
-                                )
-                                .unwrap();
-                            }
-                        })
-                    })
-                });
-                g.finish();
+                let run = Run {
+                    cpu: &cpu,
+                    shape: &shape,
+                    q: &q,
+                    sels: &s.sels,
+                    dense: kernel == "dense",
+                };
+                run.bench(crit, rep, &pid, by, ws, threads, &view, &mut out);
             }
         }
     }

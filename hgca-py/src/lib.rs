@@ -277,45 +277,31 @@ impl<'py> Cache<'py> {
             Ok(s.to_vec())
         };
         let k = T::of(&self.k, "kv_cache")?;
+        // A one-array cache: 5 dimensions, the K/V pair on axis `pair`.
+        let one = |expected: &str, pair: usize| -> PyResult<Vec<usize>> {
+            let s = dims(self.k.shape(), 5, "kv_cache", expected)?;
+            if s[pair] != 2 {
+                return Err(value_err(format!(
+                    "kv_cache: dimension {pair} must be 2 (K, V) in {expected}, found shape {s:?}"
+                )));
+            }
+            Ok(s)
+        };
         let pool = match (self.layout.as_str(), &self.v) {
             ("vllm_cpu", None) => {
-                let s = dims(
-                    self.k.shape(),
-                    5,
-                    "kv_cache",
-                    "(2, num_blocks, kv_heads, block_size, head_size)",
-                )?;
-                check_two(&s)?;
+                let s = one("(2, num_blocks, kv_heads, block_size, head_size)", 0)?;
                 PagedPool::vllm_cpu(k, s[1], s[2], s[3], s[4])
             }
             ("vllm_flash", None) => {
-                let s = dims(
-                    self.k.shape(),
-                    5,
-                    "kv_cache",
-                    "(2, num_blocks, block_size, kv_heads, head_size)",
-                )?;
-                check_two(&s)?;
+                let s = one("(2, num_blocks, block_size, kv_heads, head_size)", 0)?;
                 PagedPool::vllm_flash(k, s[1], s[2], s[3], s[4])
             }
             ("nhd", None) => {
-                let s = dims(
-                    self.k.shape(),
-                    5,
-                    "kv_cache",
-                    "[pages, 2, page_size, kv_heads, d]",
-                )?;
-                check_pair(&s)?;
+                let s = one("[pages, 2, page_size, kv_heads, d]", 1)?;
                 PagedPool::flashinfer_nhd_combined(k, s[0], s[2], s[3], s[4])
             }
             ("hnd", None) => {
-                let s = dims(
-                    self.k.shape(),
-                    5,
-                    "kv_cache",
-                    "[pages, 2, kv_heads, page_size, d]",
-                )?;
-                check_pair(&s)?;
+                let s = one("[pages, 2, kv_heads, page_size, d]", 1)?;
                 PagedPool::flashinfer_hnd_combined(k, s[0], s[3], s[2], s[4])
             }
             ("nhd", Some(v)) | ("hnd", Some(v)) => {
@@ -351,24 +337,6 @@ impl<'py> Cache<'py> {
         };
         pool.py()
     }
-}
-
-fn check_two(s: &[usize]) -> PyResult<()> {
-    if s[0] != 2 {
-        return Err(value_err(format!(
-            "kv_cache: the first dimension must be 2 (K, V), found shape {s:?}"
-        )));
-    }
-    Ok(())
-}
-
-fn check_pair(s: &[usize]) -> PyResult<()> {
-    if s[1] != 2 {
-        return Err(value_err(format!(
-            "kv_cache: the second dimension must be 2 (K, V), found shape {s:?}"
-        )));
-    }
-    Ok(())
 }
 
 /// Block table `[batch, max_blocks]` and `seq_lens [batch]`, int32.
