@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use hgca_kernels::{
     AttnShape, Error, KvSource, LseFormat, LseLayout, MergeBackend, PageBounds, PagedBatch,
     PagedSeq, PartialLayout, PartialMut, PartialRef, Result, Selection, SelectionRef,
-    SparseAttention, check_len, merge2_row,
+    SparseAttention, check_len, merge_rows,
 };
 use pulp::Simd;
 
@@ -650,18 +650,24 @@ impl CpuBackend {
         }
         drop(io);
         let work = &work[..n_tasks * stride];
-        // Merge the chunks of each (token, head) row, exactly.
-        for (i, buf) in work.chunks(stride).enumerate() {
-            let tk = plan.task(i);
+        // Merge the chunks of each (token, head) row, exactly: a task's
+        // chunks are consecutive, merged at once with f64 accumulation.
+        let nc = plan.chunks;
+        for (i, bufs) in work.chunks(stride * nc).enumerate() {
+            let tk = plan.task(i * nc);
             for h in 0..tk.hn {
                 let r = tk.t * qh + tk.g * group + tk.h0 + h - row0;
-                let (src, l) = (&buf[h * d..(h + 1) * d], buf[plan.hsub * d + h]);
+                let chunk = |c: usize| {
+                    let buf = &bufs[c * stride..(c + 1) * stride];
+                    (&buf[h * d..(h + 1) * d], buf[plan.hsub * d + h])
+                };
                 let dst = &mut out_o[r * d..(r + 1) * d];
-                if tk.c == 0 {
+                if nc == 1 {
+                    let (src, l) = chunk(0);
                     dst.copy_from_slice(src);
                     out_lse[r] = l;
                 } else {
-                    merge2_row(dst, &mut out_lse[r], src, l);
+                    merge_rows(nc, chunk, dst, &mut out_lse[r]);
                 }
             }
         }

@@ -48,7 +48,9 @@ pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};
 pub use maw::{Alpha, Beta, maw_update, maw_update_gather, select_paper};
 pub use mem::{HUGE_PAGE, HostBuf};
-pub use merge::{ScalarMerge, lse_from_log2, lse_to_log2, merge, merge_into, merge2_row};
+pub use merge::{
+    ScalarMerge, lse_from_log2, lse_to_log2, merge, merge_into, merge_rows, merge2_row,
+};
 pub use paged::{BlockTable, PagedBatch, PagedLayout, PagedPool, PagedSeq};
 pub use pages::{HeadMass, MassTarget, PageBounds, select_by_mass, select_top_pages};
 pub use partial::{Partial, PartialLayout, PartialMut, PartialRef};

@@ -6,9 +6,18 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// An error of candle (GGUF parsing, tensor ops, quantised matmul).
+    /// An error of candle (tensor ops, quantised matmul), without the
+    /// backtrace candle captures under `RUST_BACKTRACE`.
     #[error("candle: {0}")]
-    Candle(#[from] candle_core::Error),
+    Candle(candle_core::Error),
+    /// A GGUF file is malformed or truncated: one line, the file and the cause.
+    #[error("{}: not a usable GGUF file: {msg}", path.display())]
+    Gguf {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong (and where).
+        msg: String,
+    },
     /// An error of the attention layer (hgca).
     #[error("attention: {0}")]
     Attention(#[from] hgca_kernels::Error),
@@ -59,7 +68,34 @@ pub enum Error {
     },
 }
 
+impl From<candle_core::Error> for Error {
+    fn from(e: candle_core::Error) -> Self {
+        // candle wraps errors in a backtrace (20 frames of its internals)
+        // when RUST_BACKTRACE is set: a user needs the cause.
+        let mut e = e;
+        while let candle_core::Error::WithBacktrace { inner, .. } = e {
+            e = *inner;
+        }
+        Self::Candle(e)
+    }
+}
+
 impl Error {
+    /// A parse error of `path`'s bytes as [`Error::Gguf`] naming the file.
+    pub(crate) fn in_file(self, path: &std::path::Path) -> Self {
+        match self {
+            Self::Gguf { msg, .. } => Self::Gguf {
+                path: path.to_path_buf(),
+                msg,
+            },
+            Self::Candle(e) => Self::Gguf {
+                path: path.to_path_buf(),
+                msg: e.to_string(),
+            },
+            e => e,
+        }
+    }
+
     pub(crate) fn invalid(what: &'static str, msg: impl Into<String>) -> Self {
         Self::Invalid {
             what,

@@ -1,7 +1,14 @@
 //! GGUF file access: the metadata keys of a Llama model and its tensors.
+//!
+//! Files are untrusted input. Before candle parses a header, [`check_header`]
+//! walks it with every length checked against the bytes that are left (so
+//! no allocation is sized by a field the file does not back) and rejects
+//! what would make candle panic (an alignment of 0); after it, every
+//! tensor's data range is checked to lie inside the file. Errors are one
+//! line naming the file and the cause.
 
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Cursor, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
@@ -10,19 +17,215 @@ use candle_core::quantized::gguf_file::{Content, Value};
 
 use crate::{Error, Result};
 
+/// A reader of a GGUF file's bytes.
+trait Source: Read + Seek + Send {}
+impl<R: Read + Seek + Send> Source for R {}
+
 /// An opened GGUF file: its parsed header and a reader for tensor data.
-#[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
     content: Content,
-    reader: BufReader<File>,
+    reader: Box<dyn Source>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile")
+            .field("path", &self.path)
+            .field("tensors", &self.content.tensor_infos.len())
+            .field("metadata", &self.content.metadata.len())
+            .finish()
+    }
+}
+
+/// Largest string or array a header may declare (candle's own caps are
+/// looser; no GGUF model needs more: vocabularies are ~250k entries).
+const MAX_ELEMENTS: u64 = 1 << 24;
+/// Deepest nesting of arrays a header may declare.
+const MAX_DEPTH: usize = 4;
+
+/// Walks a GGUF header (magic, version, metadata, tensor table) from the
+/// start of `r`, `len` bytes long, checking every count and length against
+/// the bytes left and the alignment; returns the alignment. Reads only
+/// what it checks; allocates nothing sized by the file.
+///
+/// # Errors
+/// [`Error::Gguf`] (with an empty path) naming the offset and the cause.
+pub fn check_header<R: Read + Seek>(r: &mut R, len: u64) -> Result<u64> {
+    let mut w = Walk { r, len, at: 0 };
+    w.header()
+}
+
+struct Walk<'a, R> {
+    r: &'a mut R,
+    len: u64,
+    at: u64,
+}
+
+impl<R: Read + Seek> Walk<'_, R> {
+    fn fail<T>(&self, msg: impl Into<String>) -> Result<T> {
+        Err(Error::Gguf {
+            path: PathBuf::new(),
+            msg: format!("at byte {}: {}", self.at, msg.into()),
+        })
+    }
+    fn left(&self) -> u64 {
+        self.len.saturating_sub(self.at)
+    }
+    fn need(&self, bytes: u64, what: &str) -> Result<()> {
+        if bytes > self.left() {
+            return self.fail(format!("{what} needs {bytes} bytes, {} left", self.left()));
+        }
+        Ok(())
+    }
+    fn bytes<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
+        self.need(N as u64, what)?;
+        let mut b = [0u8; N];
+        if let Err(e) = self.r.read_exact(&mut b) {
+            return self.fail(format!("{what}: {e}"));
+        }
+        self.at += N as u64;
+        Ok(b)
+    }
+    fn u32(&mut self, what: &str) -> Result<u32> {
+        self.bytes::<4>(what).map(u32::from_le_bytes)
+    }
+    fn u64(&mut self, what: &str) -> Result<u64> {
+        self.bytes::<8>(what).map(u64::from_le_bytes)
+    }
+    fn skip(&mut self, bytes: u64, what: &str) -> Result<()> {
+        self.need(bytes, what)?;
+        if let Err(e) = self.r.seek(SeekFrom::Current(bytes as i64)) {
+            return self.fail(format!("{what}: {e}"));
+        }
+        self.at += bytes;
+        Ok(())
+    }
+    fn count(&mut self, v1: bool, what: &str) -> Result<u64> {
+        let n = if v1 {
+            u64::from(self.u32(what)?)
+        } else {
+            self.u64(what)?
+        };
+        if n > MAX_ELEMENTS {
+            return self.fail(format!("{what} {n} exceeds the limit {MAX_ELEMENTS}"));
+        }
+        Ok(n)
+    }
+    fn string(&mut self, v1: bool, what: &str) -> Result<()> {
+        let n = self.count(v1, what)?;
+        self.skip(n, what)
+    }
+    /// Skips one value of type `t`; returns it when it is an integer.
+    fn value(&mut self, t: u32, v1: bool, depth: usize) -> Result<Option<u64>> {
+        let fixed = match t {
+            0 | 1 | 7 => 1,
+            2 | 3 => 2,
+            4..=6 => 4,
+            10..=12 => 8,
+            8 => return self.string(v1, "a string value").map(|()| None),
+            9 => {
+                if depth >= MAX_DEPTH {
+                    return self.fail(format!("arrays nested deeper than {MAX_DEPTH}"));
+                }
+                let et = self.u32("an array's element type")?;
+                let n = self.count(v1, "array length")?;
+                let min = match et {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    9 => 12,
+                    _ => return self.fail(format!("unknown element type {et}")),
+                };
+                self.need(n * min, &format!("an array of {n} elements"))?;
+                if matches!(et, 8 | 9) {
+                    for _ in 0..n {
+                        self.value(et, v1, depth + 1)?;
+                    }
+                } else {
+                    self.skip(n * min, "array")?;
+                }
+                return Ok(None);
+            }
+            _ => return self.fail(format!("unknown value type {t}")),
+        };
+        self.need(fixed, "a value")?;
+        let mut v = [0u8; 8];
+        if let Err(e) = self.r.read_exact(&mut v[..fixed as usize]) {
+            return self.fail(format!("a value: {e}"));
+        }
+        self.at += fixed;
+        let x = u64::from_le_bytes(v);
+        let signed_neg = match t {
+            1 => x & 0x80 != 0,
+            3 => x & 0x8000 != 0,
+            5 => x & 0x8000_0000 != 0,
+            11 => x >> 63 != 0,
+            _ => false,
+        };
+        Ok(matches!(t, 0..=5 | 10 | 11)
+            .then_some(x)
+            .filter(|_| !signed_neg))
+    }
+    fn header(&mut self) -> Result<u64> {
+        if self.u32("the magic")? != 0x4655_4747 {
+            return self.fail("not a GGUF file (no `GGUF` magic)");
+        }
+        let version = self.u32("the version")?;
+        if !(1..=3).contains(&version) {
+            return self.fail(format!("GGUF version {version} is not 1, 2 or 3"));
+        }
+        let v1 = version == 1;
+        let tensors = self.count(v1, "tensor count")?;
+        let kvs = self.count(v1, "metadata count")?;
+        let mut alignment = 32;
+        for _ in 0..kvs {
+            let klen = self.count(v1, "key length")?;
+            self.need(klen, "a key")?;
+            let is_alignment = if klen == 17 {
+                let key = self.bytes::<17>("a key")?;
+                &key == b"general.alignment"
+            } else {
+                self.skip(klen, "a key")?;
+                false
+            };
+            let t = self.u32("a value type")?;
+            let v = self.value(t, v1, 0)?;
+            if is_alignment {
+                match v {
+                    Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => alignment = a,
+                    // candle reads other encodings as the default, 32.
+                    None if !matches!(t, 0..=5) => {}
+                    _ => {
+                        return self.fail(format!(
+                            "general.alignment {v:?} is not a power of two up to 65536"
+                        ));
+                    }
+                }
+            }
+        }
+        for _ in 0..tensors {
+            self.string(v1, "a tensor name")?;
+            let dims = self.u32("a tensor's dimension count")?;
+            if dims > 4 {
+                return self.fail(format!("a tensor of {dims} dimensions (at most 4)"));
+            }
+            self.skip(
+                u64::from(dims) * if v1 { 4 } else { 8 },
+                "a tensor's dimensions",
+            )?;
+            self.skip(12, "a tensor's type and offset")?;
+        }
+        Ok(alignment)
+    }
 }
 
 impl GgufFile {
     /// Opens and parses the header (metadata and tensor table) of `path`.
     ///
     /// # Errors
-    /// [`Error::Io`] if the file cannot be opened, [`Error::Candle`] if it is
+    /// [`Error::Io`] if the file cannot be opened, [`Error::Gguf`] if it is
     /// not a valid GGUF file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
@@ -30,12 +233,67 @@ impl GgufFile {
             path: path.clone(),
             source,
         })?;
-        let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader)?;
+        Self::from_reader(path, BufReader::new(file))
+    }
+
+    /// Parses a GGUF file held in memory; `name` names it in errors.
+    ///
+    /// # Errors
+    /// [`Error::Gguf`] if it is not a valid GGUF file.
+    pub fn from_bytes(name: impl Into<PathBuf>, bytes: Vec<u8>) -> Result<Self> {
+        Self::from_reader(name.into(), Cursor::new(bytes))
+    }
+
+    fn from_reader<R: Read + Seek + Send + 'static>(path: PathBuf, mut reader: R) -> Result<Self> {
+        let at = |e: Error| e.in_file(&path);
+        let io = |e: std::io::Error| Error::Gguf {
+            path: path.clone(),
+            msg: e.to_string(),
+        };
+        let len = reader.seek(SeekFrom::End(0)).map_err(io)?;
+        reader.seek(SeekFrom::Start(0)).map_err(io)?;
+        let alignment = check_header(&mut reader, len).map_err(at)?;
+        reader.seek(SeekFrom::Start(0)).map_err(io)?;
+        let content = Content::read(&mut reader).map_err(|e| at(e.into()))?;
+        // Every tensor's bytes inside the file, computed without overflow.
+        for (name, info) in &content.tensor_infos {
+            let bad = |msg: String| Error::Gguf {
+                path: path.clone(),
+                msg: format!("tensor `{name}`: {msg}"),
+            };
+            let elems = info
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+                .ok_or_else(|| bad(format!("{:?} elements overflow", info.shape.dims())))?;
+            let (bs, ts) = (
+                info.ggml_dtype.block_size() as u64,
+                info.ggml_dtype.type_size() as u64,
+            );
+            if !elems.is_multiple_of(bs) {
+                return Err(bad(format!(
+                    "{elems} elements are not whole blocks of {bs}"
+                )));
+            }
+            let end = (elems / bs)
+                .checked_mul(ts)
+                .and_then(|b| b.checked_add(info.offset))
+                .and_then(|b| b.checked_add(content.tensor_data_offset));
+            match end {
+                Some(end) if end <= len && info.offset.is_multiple_of(alignment) => {}
+                _ => {
+                    return Err(bad(format!(
+                        "data at offset {} ({elems} elements of {:?}) does not fit in the file's {len} bytes at alignment {alignment}",
+                        info.offset, info.ggml_dtype
+                    )));
+                }
+            }
+        }
         Ok(Self {
             path,
             content,
-            reader,
+            reader: Box::new(reader),
         })
     }
 
@@ -155,7 +413,10 @@ impl GgufFile {
                 found: format!("{:?}", info.shape.dims()),
             });
         }
-        Ok(self.content.tensor(&mut self.reader, name, &Device::Cpu)?)
+        let path = &self.path;
+        self.content
+            .tensor(&mut self.reader, name, &Device::Cpu)
+            .map_err(|e| Error::from(e).in_file(path))
     }
 
     /// True when the file has a tensor of this name.

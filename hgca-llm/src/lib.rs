@@ -32,7 +32,7 @@ pub mod synth;
 mod tokenizer;
 
 pub use error::{Error, Result};
-pub use gguf::{GgufFile, LlamaConfig};
+pub use gguf::{GgufFile, LlamaConfig, check_header};
 pub use model::{
     AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax,
     full_attention, log_prob,

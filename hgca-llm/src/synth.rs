@@ -173,6 +173,7 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
     let meta: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String("hgca-llm synthetic".into())),
+        ("general.alignment", Value::U32(32)),
         ("llama.block_count", Value::U32(s.n_layers as u32)),
         ("llama.context_length", Value::U32(8192)),
         ("llama.embedding_length", Value::U32(s.dim as u32)),

@@ -313,3 +313,63 @@ fn hybrid_selecting_everything_equals_full() {
         assert!(rel < 1e-5, "{recovery:?}: {} vs {}", got.ppl, reference.ppl);
     }
 }
+
+/// A GGUF is untrusted input: every truncation and a spread of corrupted
+/// bytes give a one-line `Error::Gguf` naming the file (or a later typed
+/// error), never a panic; an alignment of 0 (a division by zero inside
+/// candle) is refused before candle reads the header.
+#[test]
+fn malformed_gguf_is_one_line_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SynthSpec {
+        n_layers: 1,
+        ..SynthSpec::default()
+    };
+    let bytes = std::fs::read(tiny(dir.path(), &spec)).unwrap();
+    let open = |b: Vec<u8>| -> Result<(), Error> {
+        let mut f = GgufFile::from_bytes("t.gguf", b)?;
+        let _ = LlamaConfig::from_gguf(&f)?;
+        let _ = GgufTokenizer::from_gguf(&f)?;
+        let _ = LlamaWeights::load(&mut f, WeightFormat::default())?;
+        Ok(())
+    };
+    open(bytes.clone()).expect("the intact file loads");
+    // Every truncation, at a stride through the header and data.
+    let mut cuts = 0;
+    for n in (0..bytes.len()).step_by(bytes.len() / 400 + 1) {
+        let e = open(bytes[..n].to_vec()).expect_err("a truncated file is refused");
+        let msg = e.to_string();
+        assert!(msg.starts_with("t.gguf: not a usable GGUF file:"), "{msg}");
+        assert!(!msg.contains('\n'), "one line: {msg}");
+        cuts += 1;
+    }
+    // Corrupted bytes: deterministic positions and values over the header.
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let header = bytes.len().min(20_000);
+    for _ in 0..400 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let mut b = bytes.clone();
+        for k in 0..3 {
+            let at = (rng >> (k * 16)) as usize % header;
+            b[at] = (rng >> (48 + k * 5)) as u8;
+        }
+        if let Err(e) = open(b) {
+            assert!(!e.to_string().contains('\n'), "one line: {e}");
+        }
+    }
+    // general.alignment = 0: the value follows its key and type (u32 4).
+    let key = b"general.alignment";
+    let at = bytes
+        .windows(key.len())
+        .position(|w| w == key)
+        .expect("synth writes the key");
+    let v = at + key.len() + 4;
+    assert_eq!(bytes[v..v + 4], 32u32.to_le_bytes());
+    let mut b = bytes.clone();
+    b[v..v + 4].copy_from_slice(&0u32.to_le_bytes());
+    let e = open(b).expect_err("alignment 0 is refused");
+    assert!(e.to_string().contains("general.alignment"), "{e}");
+    println!("{cuts} truncations refused, 400 corruptions, alignment 0 refused");
+}
