@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
-# Short fuzz run of the merge numerics: bash scripts/fuzz.sh [seconds]
+# Every fuzz target, two lanes at once (one per core), from the seed corpora
+# kept in fuzz/seeds: bash scripts/fuzz.sh [seconds of wall time, default 120]
+#   lane 1: merge (no sanitizer: safe Rust, the fast target), then gguf
+#           (no sanitizer, RSS capped; the loader bounds allocations itself)
+#   lane 2: paged, capi, hybrid under the address sanitizer (they reach the
+#           unsafe SIMD kernels and the C ABI's raw pointers)
+# All with debug assertions, so an arithmetic overflow is a finding.
+# Fails on any finding; prints the executions of each target and the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-60}
+secs=${1:-120}
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --locked cargo-fuzz@0.13.2
 fi
@@ -10,7 +17,46 @@ if ! rustup toolchain list | grep -q nightly; then
   echo "cargo fuzz needs a nightly toolchain (rustup toolchain install nightly)" >&2
   exit 1
 fi
+root=$PWD
+logs=$root/target/fuzz
+rm -rf "$logs"; mkdir -p "$logs"
 cd fuzz
-cargo +nightly fuzz build merge
-cargo +nightly fuzz run merge -- -max_total_time="$secs" -print_final_stats=1 2>&1 | tee ../target/fuzz.log | grep -E 'Done|panicked|ERROR|SUMMARY|stat::number_of_executed_units' || true
-grep -q '^Done [0-9]* runs' ../target/fuzz.log || { echo "fuzz run failed"; exit 1; }
+# Debug assertions on (-a): an arithmetic overflow is a finding too.
+cargo +nightly fuzz build -O -a 2>&1 | tail -1
+cargo +nightly fuzz build -O -a -s none --features llm --target-dir target/nosan 2>&1 | tail -1
+# One corpus per target, seeded from the repository's (never written back).
+for t in merge paged capi hybrid gguf; do
+  rm -rf "$logs/corpus-$t"; mkdir -p "$logs/corpus-$t"
+  [ -d "seeds/$t" ] && cp -r "seeds/$t/." "$logs/corpus-$t/"
+done
+run() { # target seconds sanitizer-flags extra-libfuzzer-flags...
+  local t=$1 s=$2 san=$3; shift 3
+  cargo +nightly fuzz run -O -a $san "$t" "$logs/corpus-$t" -- -max_total_time="$s" \
+    -print_final_stats=1 -artifact_prefix="$logs/$t-" "$@" >"$logs/$t.log" 2>&1 || true
+}
+lane1() {
+  run merge $((secs * 65 / 100)) "-s none --target-dir target/nosan"
+  run gguf $((secs * 35 / 100)) "-s none --features llm --target-dir target/nosan" -rss_limit_mb=1024
+}
+lane2() {
+  run paged $((secs * 40 / 100)) ""
+  run capi $((secs * 35 / 100)) ""
+  run hybrid $((secs * 25 / 100)) ""
+}
+lane1 & l1=$!
+lane2 & l2=$!
+wait $l1 $l2
+total=0; bad=0
+for t in merge gguf paged capi hybrid; do
+  n=$(sed -nE 's/^stat::number_of_executed_units: *([0-9]+)/\1/p' "$logs/$t.log" | tail -1)
+  if grep -qE '^Done [0-9]+ runs' "$logs/$t.log" && [ -n "$n" ]; then
+    printf 'fuzz %-7s %10s executions\n' "$t" "$n"
+    total=$((total + n))
+  else
+    echo "fuzz $t: FAILED (finding or crash); the log's tail:"
+    grep -E 'panicked|ERROR|SUMMARY|Test unit written|assert' -A3 "$logs/$t.log" | head -30
+    bad=1
+  fi
+done
+echo "fuzz: $total executions over 5 targets in ${secs} s"
+exit $bad

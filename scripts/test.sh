@@ -59,8 +59,8 @@ if [ -f scripts/neon-test.sh ]; then
   bash scripts/neon-test.sh
 fi
 
-step "fuzz (merge, ${HGCA_FUZZ_SECONDS:-60} s)"
-bash scripts/fuzz.sh "${HGCA_FUZZ_SECONDS:-60}"
+step "fuzz (5 targets, ${HGCA_FUZZ_SECONDS:-120} s)"
+bash scripts/fuzz.sh "${HGCA_FUZZ_SECONDS:-120}"
 
 step "done"
 read -r p f <<<"$passed"

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use hgca_kernels::{
     AttnShape, Error, KvSource, LseFormat, LseLayout, MergeBackend, PageBounds, PagedBatch,
     PagedSeq, PartialLayout, PartialMut, PartialRef, Result, Selection, SelectionRef,
-    SparseAttention, check_len, merge_rows,
+    SparseAttention, check_len, check_len_of, merge_rows,
 };
 use pulp::Simd;
 
@@ -279,7 +279,7 @@ impl CpuBackend {
         check_common(shape, q, 1, kv, &out)?;
         let n = kv.tokens();
         if let Some(w) = &weights {
-            check_len("weights", shape.q_heads() * n, w.len())?;
+            check_len_of("weights", &[shape.q_heads(), n], w.len())?;
         }
         let group = shape.group();
         self.run_whole(
@@ -369,7 +369,7 @@ impl CpuBackend {
     ) -> Result<()> {
         check_common(shape, q, 1, kv, &out)?;
         let n = kv.tokens();
-        check_len("maw", shape.kv_heads() * n, maw.len())?;
+        check_len_of("maw", &[shape.kv_heads(), n], maw.len())?;
         check_len("thresholds", shape.kv_heads(), thresholds.len())?;
         if let Some(&t) = thresholds.iter().find(|t| t.is_nan()) {
             return Err(Error::Param {
@@ -717,7 +717,7 @@ impl CpuBackend {
         bounds: &[T],
         out: &mut [f32],
     ) -> Result<()> {
-        check_len("q", heads * d, q.len())?;
+        check_len_of("q", &[heads, d], q.len())?;
         if d == 0 || !bounds.len().is_multiple_of(2 * d) {
             return Err(Error::Length {
                 what: "bounds (a multiple of 2 * d)",
@@ -726,7 +726,7 @@ impl CpuBackend {
             });
         }
         let nb = bounds.len() / (2 * d);
-        check_len("out", nb * heads, out.len())?;
+        check_len_of("out", &[nb, heads], out.len())?;
         dispatch!(self.isa, s, x => bounds_simd(s, x, q, heads, d, bounds, out));
         Ok(())
     }
@@ -1083,7 +1083,7 @@ impl CpuBackend {
         let b = kv.batch();
         let (hk, d) = (shape.kv_heads(), shape.head_dim());
         kv.check_shape(shape)?;
-        check_len("q [batch, q_heads, d]", b * shape.q_len(), q.len())?;
+        check_len_of("q [batch, q_heads, d]", &[b, shape.q_len()], q.len())?;
         let bw = batch_weights(shape, kv, tokens)?;
         if let Some(sels) = &bw.sels {
             for (t, s) in sels.iter().enumerate() {
@@ -1091,7 +1091,7 @@ impl CpuBackend {
             }
         }
         let rows = Self::shard_rows(shape, b, shard);
-        check_len("out", rows.len() * d, out.len())?;
+        check_len_of("out", &[rows.len(), d], out.len())?;
         check_len("lse", rows.len(), lse.len())?;
         let units = shard.units(b * hk);
         if let Some(w) = &weights {
@@ -1396,7 +1396,7 @@ fn check_common<T: SimdElem, K: KvSource<T>>(
     kv: &K,
     out: &PartialMut<'_>,
 ) -> Result<()> {
-    check_len("q", n_q * shape.q_len(), q.len())?;
+    check_len_of("q", &[n_q, shape.q_len()], q.len())?;
     kv.check_shape(shape)?;
     let want = PartialLayout::append(shape, n_q);
     if out.layout() != want {
@@ -1422,7 +1422,7 @@ impl SparseAttention for CpuBackend {
         check_common(shape, q, 1, kv, &out)?;
         sel.validate(shape.kv_heads(), kv.tokens())?;
         if let Some(w) = &weights {
-            check_len("weights", shape.group() * sel.total(), w.len())?;
+            check_len_of("weights", &[shape.group(), sel.total()], w.len())?;
         }
         let group = shape.group();
         self.run_whole(

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use hgca_cpu::CpuBackend;
 use hgca_kernels::{
     AttnShape, CpuStore, DenseAttention, Error, KvElem, KvStore, Result, Selection,
-    SparseAttention, check_len,
+    SparseAttention, check_len_of,
 };
 
 use crate::engine::{Seq, Shared};
@@ -276,10 +276,10 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridBat
         let t0 = Instant::now();
         let s = self.l.shape;
         let (ql, kl, b) = (s.q_len(), s.kv_token_len(), ids.len());
-        check_len("q", b * ql, q.len())?;
-        check_len("k", b * kl, k.len())?;
-        check_len("v", b * kl, v.len())?;
-        check_len("out", b * ql, out.len())?;
+        check_len_of("q", &[b, ql], q.len())?;
+        check_len_of("k", &[b, kl], k.len())?;
+        check_len_of("v", &[b, kl], v.len())?;
+        check_len_of("out", &[b, ql], out.len())?;
         let mut at = Vec::with_capacity(b);
         for &id in ids {
             let p = self.position(id)?;

@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 use hgca_cpu::CpuBackend;
 use hgca_kernels::{
     Alpha, AttnShape, Beta, CpuStore, DenseAttention, Error, KvElem, KvStore, KvWindow, Partial,
-    PartialLayout, Result, Selection, SparseAttention, WindowSpec, check_len, merge_into,
+    PartialLayout, Result, Selection, SparseAttention, WindowSpec, check_len, check_len_of,
+    merge_into,
 };
 
 use crate::SequenceAttention;
@@ -770,8 +771,8 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
         n: usize,
     ) -> Result<()> {
         let kl = l.shape.kv_token_len();
-        check_len("k", n * kl, k.len())?;
-        check_len("v", n * kl, v.len())?;
+        check_len_of("k", &[n, kl], k.len())?;
+        check_len_of("v", &[n, kl], v.len())?;
         let mut done = 0;
         while done < n {
             if self.window.free() == 0 {

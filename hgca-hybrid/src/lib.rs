@@ -19,7 +19,7 @@ pub use batch::{HybridBatch, SeqId};
 pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
 pub use full::FullAttention;
 
-use hgca_kernels::{AttnShape, Result, check_len};
+use hgca_kernels::{AttnShape, Result, check_len_of};
 
 /// Causal self-attention of one model layer over a growing sequence.
 pub trait SequenceAttention {
@@ -58,8 +58,8 @@ fn check_forward(
     n: usize,
     out: &[f32],
 ) -> Result<()> {
-    check_len("q", n * s.q_len(), q.len())?;
-    check_len("k", n * s.kv_token_len(), k.len())?;
-    check_len("v", n * s.kv_token_len(), v.len())?;
-    check_len("out", n * s.q_len(), out.len())
+    check_len_of("q", &[n, s.q_len()], q.len())?;
+    check_len_of("k", &[n, s.kv_token_len()], k.len())?;
+    check_len_of("v", &[n, s.kv_token_len()], v.len())?;
+    check_len_of("out", &[n, s.q_len()], out.len())
 }

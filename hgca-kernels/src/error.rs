@@ -137,3 +137,12 @@ pub fn check_len(what: &'static str, expected: usize, found: usize) -> Result<()
         })
     }
 }
+
+/// As [`check_len`] for a length that is a product of counts (`[n, heads,
+/// d]`): the product saturates instead of overflowing, so a count that
+/// would overflow is the same typed [`Error::Length`] (no real slice holds
+/// `usize::MAX` elements), never a panic or a wrapped length.
+pub fn check_len_of(what: &'static str, factors: &[usize], found: usize) -> Result<()> {
+    let expected = factors.iter().fold(1usize, |n, &f| n.saturating_mul(f));
+    check_len(what, expected, found)
+}

@@ -6,7 +6,10 @@
 //! The paper's rule selects entry `j` of KV head `h` for the CPU's sparse
 //! attention when `maw[h][j] > beta_h / n_gpu`.
 
-use crate::{Error, Result, Selection, error::check_len};
+use crate::{
+    Error, Result, Selection,
+    error::{check_len, check_len_of},
+};
 
 /// Per-KV-head `beta` of the paper's selection rule, validated: finite and `>= 0`.
 ///
@@ -149,7 +152,7 @@ pub fn select_paper(
     sel: &mut Selection,
 ) -> Result<()> {
     let heads = beta.values().len();
-    check_len("maw", heads * tokens, maw.len())?;
+    check_len_of("maw", &[heads, tokens], maw.len())?;
     sel.clear();
     for h in 0..heads {
         let t = beta.threshold(h, n_gpu);

@@ -189,9 +189,10 @@ pub fn merge_into(mut acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()> {
     acc.layout().check_same(&src.layout())?;
     let d = src.layout().head_dim;
     let (out, lse) = acc.parts_mut();
-    for (r, (acc_row, acc_lse)) in out.chunks_exact_mut(d).zip(lse.iter_mut()).enumerate() {
+    // By row index, not `chunks_exact(d)`: `head_dim` 0 still has lse rows.
+    for (r, acc_lse) in lse.iter_mut().enumerate() {
         let (o, l) = src.row(r);
-        merge2_row(acc_row, acc_lse, o, l);
+        merge2_row(&mut out[r * d..(r + 1) * d], acc_lse, o, l);
     }
     Ok(())
 }
@@ -208,8 +209,8 @@ pub fn merge(parts: &[PartialRef<'_>], mut dst: PartialMut<'_>) -> Result<()> {
     }
     let d = layout.head_dim;
     let (out, lse) = dst.parts_mut();
-    for (r, (o, l)) in out.chunks_exact_mut(d).zip(lse.iter_mut()).enumerate() {
-        merge_row_n(parts, r, o, l);
+    for (r, l) in lse.iter_mut().enumerate() {
+        merge_row_n(parts, r, &mut out[r * d..(r + 1) * d], l);
     }
     Ok(())
 }

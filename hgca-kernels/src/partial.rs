@@ -33,12 +33,12 @@ impl PartialLayout {
     /// Rows (token, head pairs).
     #[inline]
     pub fn rows(&self) -> usize {
-        self.n_tokens * self.q_heads
+        self.n_tokens.saturating_mul(self.q_heads)
     }
     /// Elements of `out`.
     #[inline]
     pub fn out_len(&self) -> usize {
-        self.rows() * self.head_dim
+        self.rows().saturating_mul(self.head_dim)
     }
     fn check(&self, out: usize, lse: usize) -> Result<()> {
         check_len("partial out", self.out_len(), out)?;

@@ -26,7 +26,8 @@ impl AttnShape {
     ///
     /// # Errors
     /// [`Error::Zero`] for a zero count, [`Error::GroupMismatch`] when
-    /// `q_heads % kv_heads != 0`.
+    /// `q_heads % kv_heads != 0`, [`Error::Capacity`] when one query's
+    /// `q_heads * head_dim` elements would not fit in memory.
     pub fn new(q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
         for (what, v) in [
             ("q_heads", q_heads),
@@ -39,6 +40,18 @@ impl AttnShape {
         }
         if !q_heads.is_multiple_of(kv_heads) {
             return Err(Error::GroupMismatch { q_heads, kv_heads });
+        }
+        // One query row must be addressable: every length derived from the
+        // shape is then a product with a caller's count, checked where used.
+        if q_heads
+            .checked_mul(head_dim)
+            .is_none_or(|n| n > isize::MAX as usize / 4)
+        {
+            return Err(Error::Capacity {
+                what: "q_heads * head_dim (elements of one query)",
+                capacity: isize::MAX as usize / 4,
+                requested: q_heads.saturating_mul(head_dim),
+            });
         }
         Ok(Self {
             q_heads,

@@ -90,7 +90,7 @@ impl Error {
             },
             Self::Candle(e) => Self::Gguf {
                 path: path.to_path_buf(),
-                msg: e.to_string(),
+                msg: one_line(&e.to_string()),
             },
             e => e,
         }
@@ -103,12 +103,27 @@ impl Error {
         }
     }
 
+    /// `msg` may quote the file's own strings: control characters (a
+    /// newline in a merge rule) are escaped so an error stays one line.
     pub(crate) fn meta(key: &str, msg: impl Into<String>) -> Self {
         Self::Metadata {
-            key: key.to_owned(),
-            msg: msg.into(),
+            key: one_line(key),
+            msg: one_line(&msg.into()),
         }
     }
+}
+
+/// `s` with control characters escaped (`\n` for a newline).
+pub(crate) fn one_line(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 /// `Result` with [`Error`].

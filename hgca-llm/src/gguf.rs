@@ -259,7 +259,7 @@ impl GgufFile {
         for (name, info) in &content.tensor_infos {
             let bad = |msg: String| Error::Gguf {
                 path: path.clone(),
-                msg: format!("tensor `{name}`: {msg}"),
+                msg: crate::error::one_line(&format!("tensor `{name}`: {msg}")),
             };
             let elems = info
                 .shape

@@ -100,7 +100,7 @@ impl GgufTokenizer {
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))?;
         let mut inner = Tokenizer::new(bpe);
         let byte_level = ByteLevel::new(false, true, true);
         let pre_tok: PreTokenizerWrapper = if split_digits {
@@ -118,7 +118,7 @@ impl GgufTokenizer {
             .collect();
         inner
             .add_special_tokens(specials)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))?;
         let id = |key: &str| -> Result<Option<u32>> {
             match f.get_usize(key) {
                 Ok(i) if i < tokens.len() => Ok(Some(i as u32)),
@@ -144,7 +144,7 @@ impl GgufTokenizer {
         let enc = self
             .inner
             .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+            .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         if add_bos && self.add_bos {
             ids.extend(self.bos);
@@ -167,7 +167,7 @@ impl GgufTokenizer {
         }
         self.inner
             .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+            .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))
     }
 
     /// The token string of `id` (byte-level form, e.g. `Ġthe`).

@@ -12,7 +12,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 use half::slice::HalfFloatSliceExt;
 use hgca_kernels::{
     DType, DenseAttention, Error, KvElem, KvWindow, MergeBackend, PartialLayout, PartialMut,
-    PartialRef, Result, WindowBackend, WindowSpec, bf16, check_len, f16,
+    PartialRef, Result, WindowBackend, WindowSpec, bf16, check_len, check_len_of, f16,
 };
 
 use super::spec::{APPEND_ROWS, BLOCK_THREADS, KernelSpec, MERGE_CU};
@@ -1126,7 +1126,7 @@ impl DenseAttention for CudaBackend {
         }
         let n_w = match (pending.weights, weights.as_ref()) {
             (Some(len), Some(w)) => {
-                check_len("weights", layout.q_heads * len, w.len())?;
+                check_len_of("weights", &[layout.q_heads, len], w.len())?;
                 layout.q_heads * len
             }
             (None, Some(_)) => {

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use hgca_kernels::{
     DType, DenseAttention, Error, KvElem, KvWindow, MergeBackend, PartialLayout, PartialMut,
-    PartialRef, Result, WindowBackend, WindowSpec, bf16, check_len, f16,
+    PartialRef, Result, WindowBackend, WindowSpec, bf16, check_len, check_len_of, f16,
 };
 
 use super::{MAX_HEAD_DIM, WgpuAdapterInfo, WgpuOptions};
@@ -1073,7 +1073,7 @@ impl DenseAttention for WgpuBackend {
                 requested: n_q,
             });
         }
-        check_len("q", n_q * w.spec.shape.q_len(), q.len())?;
+        check_len_of("q", &[n_q, w.spec.shape.q_len()], q.len())?;
         // Query i sees positions <= p0 + i, i.e. the oldest p0 + 1 + i - start_pos tokens.
         let vis0 = (p0 as i128 + 1 - w.start_pos as i128).clamp(-(n_q as i128) - 1, w.len as i128);
         self.submit_rows(w, q, n_q, vis0 as i32, false)
