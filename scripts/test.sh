@@ -49,6 +49,8 @@ step "C ABI (header, C test under ASan/UBSan, C++ example)"
 bash scripts/capi.sh 2>&1 | tee target/capi.log
 step "Python (abi3 wheel with maturin, pytest over it)"
 bash scripts/python.sh 2>&1 | tee target/python.log
+step "soak (a hybrid layer decodes 1M tokens: memory and accuracy)"
+cargo run --release -q -p hgca-hybrid --example soak 2>&1 | tee target/soak.log
 step "SIMD inlining (the test binaries)"
 bash scripts/check-inlined.sh
 

@@ -267,6 +267,51 @@ fn finite_if_ok(ok: bool, xs: &[f32], what: &str) {
     }
 }
 
+/// A cache and block table over buffers owned beside them (the structs'
+/// pointers point into the vectors' heap storage, which moves with them),
+/// and a shape that fits the cache's heads.
+struct Inputs {
+    _bufs: (CacheBufs, TableBufs),
+    cache: hgca_paged_cache,
+    table: hgca_block_table,
+    shape: hgca_shape,
+}
+
+fn inputs(cc: &Cache, tt: &Table, q_heads: u8, data: &mut Data<'_>) -> Inputs {
+    let cb = cache_bufs(cc, data);
+    let tb = table_bufs(tt);
+    let (pc, bt) = (cache(cc, &cb), table(tt, &tb));
+    let shape = shape(q_heads, pc.kv_heads.max(1), pc.head_dim.max(1));
+    Inputs {
+        _bufs: (cb, tb),
+        cache: pc,
+        table: bt,
+        shape,
+    }
+}
+
+/// Outputs over the caller's buffers (weights optional).
+fn outputs(
+    out: &mut [f32],
+    lse: &mut [f32],
+    base: u32,
+    layout: u32,
+    w: Option<&mut [f32]>,
+) -> hgca_outputs {
+    let (weights, weights_len) = w.map_or((null_mut(), 0), |w| (w.as_mut_ptr(), w.len()));
+    hgca_outputs {
+        size: size_of::<hgca_outputs>() as u32,
+        out: out.as_mut_ptr(),
+        out_len: out.len(),
+        lse: lse.as_mut_ptr(),
+        lse_len: lse.len(),
+        lse_base: base,
+        lse_layout: layout,
+        weights,
+        weights_len,
+    }
+}
+
 fuzz_target!(|c: Case| {
     let mut data = Data(&c.data, 0);
     for call in c.calls.iter().take(6) {
@@ -333,11 +378,8 @@ fuzz_target!(|c: Case| {
                 layout,
                 short,
             } => {
-                let cb = cache_bufs(cc, &mut data);
-                let pc = cache(cc, &cb);
-                let tb = table_bufs(tt);
-                let bt = table(tt, &tb);
-                let sh = shape(*q_heads, pc.kv_heads.max(1), pc.head_dim.max(1));
+                let inp = inputs(cc, tt, *q_heads, &mut data);
+                let (pc, bt, sh) = (&inp.cache, &inp.table, inp.shape);
                 let (batch, qh, d) = (bt.batch, sh.q_heads as usize, sh.head_dim as usize);
                 let q = data.f32s(batch * qh * d);
                 // One selection per sequence: the first tokens, per KV head.
@@ -356,17 +398,14 @@ fuzz_target!(|c: Case| {
                 let mut out = vec![0f32; (batch * qh * d).saturating_sub(cut)];
                 let mut lse = vec![0f32; batch * qh];
                 let mut w = vec![0f32; batch * qh * 64];
-                let outs = hgca_outputs {
-                    size: size_of::<hgca_outputs>() as u32,
-                    out: out.as_mut_ptr(),
-                    out_len: out.len(),
-                    lse: lse.as_mut_ptr(),
-                    lse_len: lse.len(),
-                    lse_base: u32::from(base % 3),
-                    lse_layout: u32::from(layout % 3),
-                    weights: if *weights { w.as_mut_ptr() } else { null_mut() },
-                    weights_len: if *weights { w.len() } else { 0 },
-                };
+                let w = weights.then_some(&mut w[..]);
+                let outs = outputs(
+                    &mut out,
+                    &mut lse,
+                    u32::from(base % 3),
+                    u32::from(layout % 3),
+                    w,
+                );
                 // SAFETY: every pointer is valid for the length passed with it.
                 let s = unsafe {
                     hgca_decode_batch(
@@ -374,8 +413,8 @@ fuzz_target!(|c: Case| {
                         &sh,
                         q.as_ptr(),
                         q.len(),
-                        &pc,
-                        &bt,
+                        pc,
+                        bt,
                         if *sparse { sels.as_ptr() } else { null() },
                         if *sparse { sels.len() } else { 0 },
                         &outs,
@@ -392,11 +431,8 @@ fuzz_target!(|c: Case| {
                 visible0,
                 seq,
             } => {
-                let cb = cache_bufs(cc, &mut data);
-                let pc = cache(cc, &cb);
-                let tb = table_bufs(tt);
-                let bt = table(tt, &tb);
-                let sh = shape(*q_heads, pc.kv_heads.max(1), pc.head_dim.max(1));
+                let inp = inputs(cc, tt, *q_heads, &mut data);
+                let (pc, bt, sh) = (&inp.cache, &inp.table, inp.shape);
                 let (nq, qh, d) = (
                     usize::from(n_q % 6),
                     sh.q_heads as usize,
@@ -405,17 +441,7 @@ fuzz_target!(|c: Case| {
                 let q = data.f32s(nq * qh * d);
                 let mut out = vec![0f32; nq * qh * d];
                 let mut lse = vec![0f32; nq * qh];
-                let outs = hgca_outputs {
-                    size: size_of::<hgca_outputs>() as u32,
-                    out: out.as_mut_ptr(),
-                    out_len: out.len(),
-                    lse: lse.as_mut_ptr(),
-                    lse_len: lse.len(),
-                    lse_base: 0,
-                    lse_layout: 0,
-                    weights: null_mut(),
-                    weights_len: 0,
-                };
+                let outs = outputs(&mut out, &mut lse, 0, 0, None);
                 // SAFETY: every pointer is valid for the length passed with it.
                 let s = unsafe {
                     hgca_append_attention(
@@ -424,8 +450,8 @@ fuzz_target!(|c: Case| {
                         q.as_ptr(),
                         nq,
                         usize::from(*visible0),
-                        &pc,
-                        &bt,
+                        pc,
+                        bt,
                         usize::from(*seq % 4),
                         &outs,
                     )
@@ -441,19 +467,16 @@ fuzz_target!(|c: Case| {
                 target,
                 cap,
             } => {
-                let cb = cache_bufs(cc, &mut data);
-                let pc = cache(cc, &cb);
-                let tb = table_bufs(tt);
-                let bt = table(tt, &tb);
+                let inp = inputs(cc, tt, *q_heads, &mut data);
+                let (pc, bt, sh) = (&inp.cache, &inp.table, inp.shape);
                 let mut b = null_mut();
                 // SAFETY: valid pointers for the call.
-                if !ok(unsafe { hgca_page_bounds_new(&pc, &mut b) }) {
+                if !ok(unsafe { hgca_page_bounds_new(pc, &mut b) }) {
                     continue;
                 }
                 let seq = usize::from(*seq % 4);
                 // SAFETY: as above; `b` is the live handle.
-                let _ = ok(unsafe { hgca_page_bounds_update(b, &pc, &bt, seq) });
-                let sh = shape(*q_heads, pc.kv_heads.max(1), pc.head_dim.max(1));
+                let _ = ok(unsafe { hgca_page_bounds_update(b, pc, bt, seq) });
                 let q = data.f32s(sh.q_heads as usize * sh.head_dim as usize);
                 let pages = pc.num_blocks;
                 let mut ub = vec![0f32; pc.kv_heads * pages];
@@ -464,8 +487,8 @@ fuzz_target!(|c: Case| {
                         &sh,
                         q.as_ptr(),
                         q.len(),
-                        &pc,
-                        &bt,
+                        pc,
+                        bt,
                         seq,
                         b,
                         ub.as_mut_ptr(),

@@ -1,5 +1,5 @@
 //! Fuzzes the LSE merge with arbitrary partials (±inf, NaN, huge, denormal
-//! values, up to 1024 parts): checks it never panics, never makes NaN from
+//! values, up to 32 parts): checks it never panics, never makes NaN from
 //! non-NaN input, agrees with the f64 reference within 4 ulp on finite input, and that the two-way
 //! in-place form agrees with the N-way form.
 #![no_main]
@@ -43,13 +43,9 @@ fuzz_target!(|c: Case| {
         q_heads: 1 + (c.q_heads % 4) as usize,
         head_dim: 1 + (c.head_dim % 20) as usize,
     };
-    // Mostly 0-8 parts (fast runs), up to 1024 for the top 256th of
-    // the range: the merge must stay within 4 ulp of exact there too.
-    let n_parts = if c.n_parts >= 0xff00 {
-        c.n_parts % 1025
-    } else {
-        c.n_parts % 9
-    } as usize;
+    // 0-32 parts: a run stays cheap (the fuzzer keeps the inputs that loop
+    // longest); 1024 parts are checked by the merge tests' proptest.
+    let n_parts = (c.n_parts % 33) as usize;
     if c.bits.is_empty() {
         return;
     }

@@ -637,3 +637,36 @@ fn prefetched_evictions_are_used() {
     assert_eq!(evicted[0], evicted[1]);
     assert!(evicted[0].0.iter().all(|x| x.to_f32().is_finite()));
 }
+
+/// Concurrency stress on one shared wgpu backend (the window side) with
+/// one shared CPU backend: 8 threads x 1000 decode steps of distinct
+/// sequences, each with its own hybrid layer, bit for bit what the same
+/// sequences give one at a time, within a deadline (a deadlock fails).
+#[test]
+fn eight_threads_share_one_wgpu_backend() {
+    use hgca_hybrid::{HybridAttention, HybridConfig, Recovery, SequenceAttention};
+    use hgca_testkit::stress::{shared_backend_stress, within_secs};
+    let b = need!(backend());
+    within_secs(900, move || {
+        let s = shape(4, 2, 16);
+        let cfg = HybridConfig {
+            window: 64,
+            block: 16,
+            recovery: Recovery::BlockBounds { top: 4 },
+            ..HybridConfig::default()
+        };
+        let cpu = hgca_cpu::CpuBackend::new();
+        let make = || {
+            let mut l = HybridAttention::<_, _, f32>::new(s, cfg.clone(), b, cpu.clone()).unwrap();
+            move |q: &[f32], k: &[f32], v: &[f32], n: usize, out: &mut [f32]| {
+                l.forward(q, k, v, n, out)
+            }
+        };
+        let t = std::time::Instant::now();
+        let steps = shared_backend_stress(&make, &s, 8, 96, 1000);
+        println!(
+            "wgpu: {steps} concurrent decode steps, equal bit for bit, in {:.1?}",
+            t.elapsed()
+        );
+    });
+}

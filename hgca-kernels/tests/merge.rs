@@ -465,3 +465,35 @@ fn thousand_part_merge_is_within_4_ulp() {
         worst.0, worst.1
     );
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random part counts up to 1024, head dims and lse spreads: within 4
+    /// ulp of the exact merge (of `Σ c_i |o_i|` where signs mix).
+    #[test]
+    fn many_part_merge_is_within_4_ulp(
+        n_parts in 1usize..=1024,
+        d in 1usize..=40,
+        spread in prop::sample::select(vec![0.0f32, 1.0, 8.0, 60.0]),
+        seed in any::<u64>(),
+    ) {
+        let layout = PartialLayout { n_tokens: 1, q_heads: 1, head_dim: d };
+        let mut rng = Rng::new(seed);
+        let parts: Vec<Partial> = (0..n_parts)
+            .map(|_| {
+                let out = (0..d).map(|_| 4.0 * rng.sym()).collect();
+                Partial::from_vecs(layout, out, vec![spread * rng.sym()]).unwrap()
+            })
+            .collect();
+        let got = merged(&parts);
+        let (want, want_lse) = exact(&parts, false);
+        let (size, _) = exact(&parts, true);
+        for j in 0..d {
+            let err = (f64::from(got.out()[j]) - want[j]).abs() / ulp_at(size[j]);
+            prop_assert!(err <= 4.0, "out[{}]: {} vs {} ({:.2} ulp)", j, got.out()[j], want[j], err);
+        }
+        let err = (f64::from(got.lse()[0]) - want_lse).abs() / ulp_at(want_lse);
+        prop_assert!(err <= 4.0, "lse {} vs {} ({:.2} ulp)", got.lse()[0], want_lse, err);
+    }
+}

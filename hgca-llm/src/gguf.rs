@@ -494,6 +494,15 @@ impl LlamaConfig {
                 return Err(Error::meta(key, "must be at least 1"));
             }
         }
+        // Each block holds 9 tensors: a count the file cannot back is refused
+        // before anything is sized by it.
+        let tensors = f.content().tensor_infos.len();
+        if n_layers > tensors / 9 {
+            return Err(Error::meta(
+                "llama.block_count",
+                format!("{n_layers} blocks, but the file holds {tensors} tensors"),
+            ));
+        }
         if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(Error::meta(
                 "llama.attention.head_count",

@@ -165,7 +165,8 @@ impl LlamaWeights {
         };
         let lm_head = Linear::stacked(vec![head_q], format)?;
         let out_norm = vector(f, "output_norm.weight", d)?;
-        let mut layers = Vec::with_capacity(c.n_layers);
+        // No capacity from the header's count: layers come as their tensors load.
+        let mut layers = Vec::new();
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
             let q = f.tensor(&p("attn_q"), &[d, d])?;

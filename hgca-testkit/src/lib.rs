@@ -8,6 +8,7 @@
 
 pub mod conformance;
 mod seq;
+pub mod stress;
 
 pub use seq::KvLog;
 
