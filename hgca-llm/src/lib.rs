@@ -1,6 +1,6 @@
 //! # hgca-llm: a real model end to end through hgca
 //!
-//! Loads a Llama-architecture GGUF (e.g. SmolLM2-135M) with `candle-core`,
+//! Loads a Llama or Qwen2 GGUF (e.g. SmolLM2-135M, Qwen2.5-Coder-0.5B) with `candle-core`,
 //! rebuilds its byte-level BPE tokenizer with `tokenizers`, and runs the
 //! forward pass on the CPU with one [`hgca_hybrid::SequenceAttention`] per
 //! layer: exact full attention ([`hgca_hybrid::FullAttention`]) or hgca's
@@ -32,7 +32,7 @@ pub mod synth;
 mod tokenizer;
 
 pub use error::{Error, Result};
-pub use gguf::{GgufFile, LlamaConfig, check_header};
+pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
 pub use model::{
     AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax,
     full_attention, log_prob,
@@ -42,5 +42,8 @@ pub use tokenizer::GgufTokenizer;
 
 /// Where `scripts/fetch-model.sh` puts the model, relative to the repository root.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where `scripts/fetch-model.sh --qwen2` puts Qwen2.5-Coder-0.5B-Instruct.
+pub const QWEN2_MODEL: &str = "models/Qwen2.5-Coder-0.5B-Instruct.gguf";
 /// Where `scripts/fetch-model.sh` puts Austen's *Persuasion*.
 pub const DEFAULT_TEXT: &str = "data/persuasion.txt";

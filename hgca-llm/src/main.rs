@@ -269,8 +269,9 @@ fn load(cli: &Cli) -> Result<(GgufTokenizer, Arc<LlamaWeights>)> {
     let w = LlamaWeights::load(&mut f, format)?;
     let c = w.config();
     eprintln!(
-        "model: {} ({} layers, d={}, {}q/{}kv heads x {}, ffn {}, vocab {}, rope base {}), weights {:?}, KV {:?}, loaded in {:.1}s",
+        "model: {} ({}, {} layers, d={}, {}q/{}kv heads x {}, ffn {}, vocab {}, rope base {}), weights {:?}, KV {:?}, loaded in {:.1}s",
         cli.model.display(),
+        c.arch.name(),
         c.n_layers,
         c.dim,
         c.n_heads,

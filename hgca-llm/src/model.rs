@@ -10,7 +10,7 @@ use candle_core::{Device, Module, Tensor};
 use hgca_hybrid::{FullAttention, SequenceAttention};
 use hgca_kernels::{AttnShape, KvElem};
 
-use crate::gguf::{GgufFile, LlamaConfig};
+use crate::gguf::{Arch, GgufFile, LlamaConfig};
 use crate::{Error, Result};
 
 /// How the projection weights are held and multiplied.
@@ -117,6 +117,8 @@ impl Linear {
 struct Layer {
     attn_norm: Vec<f32>,
     qkv: Linear,
+    /// Qwen2's Q, K and V biases, concatenated like the rows of `qkv`.
+    qkv_bias: Option<Vec<f32>>,
     wo: Linear,
     ffn_norm: Vec<f32>,
     gate_up: Linear,
@@ -142,10 +144,12 @@ fn vector(f: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
 }
 
 impl LlamaWeights {
-    /// Loads every tensor of a Llama GGUF (`token_embd`, `output_norm`,
-    /// optional `output`, and `blk.{i}.{attn_norm, attn_q, attn_k, attn_v,
-    /// attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}`). Q/K rows are
-    /// taken as stored, i.e. in GGUF's RoPE layout (adjacent pairs).
+    /// Loads every tensor of a Llama or Qwen2 GGUF (`token_embd`,
+    /// `output_norm`, optional `output`, and `blk.{i}.{attn_norm, attn_q,
+    /// attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}`,
+    /// plus Qwen2's `attn_{q,k,v}.bias`). Q/K rows are taken as stored: in
+    /// GGUF's RoPE layout for the architecture (adjacent pairs for Llama,
+    /// halves for Qwen2).
     ///
     /// # Errors
     /// [`Error::Metadata`]/[`Error::Tensor`] for missing or misshaped
@@ -176,7 +180,18 @@ impl LlamaWeights {
             let g = f.tensor(&p("ffn_gate"), &[ff, d])?;
             let u = f.tensor(&p("ffn_up"), &[ff, d])?;
             let dn = f.tensor(&p("ffn_down"), &[d, ff])?;
+            let qkv_bias = match c.arch {
+                Arch::Llama => None,
+                Arch::Qwen2 => {
+                    let b = |s: &str| format!("blk.{i}.{s}.bias");
+                    let mut all = vector(f, &b("attn_q"), d)?;
+                    all.extend(vector(f, &b("attn_k"), kv)?);
+                    all.extend(vector(f, &b("attn_v"), kv)?);
+                    Some(all)
+                }
+            };
             layers.push(Layer {
+                qkv_bias,
                 attn_norm: vector(f, &p("attn_norm"), d)?,
                 ffn_norm: vector(f, &p("ffn_norm"), d)?,
                 qkv: Linear::stacked(vec![q, k, v], format)?,
@@ -287,8 +302,10 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotates adjacent pairs `(2i, 2i+1)` of every head of every row.
-fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+/// Rotates the pairs of every head of every row by the angles of its
+/// position: adjacent pairs `(2i, 2i+1)` for Llama (GGUF permutes Q/K rows
+/// for it), the halves `(i, i + d/2)` for Qwen2 (GPT-NeoX style).
+fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32], arch: Arch) {
     let half = head_dim / 2;
     for (t, r) in x.chunks_exact_mut(row).enumerate() {
         let (c, s) = (
@@ -296,10 +313,14 @@ fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
             &sin[t * half..(t + 1) * half],
         );
         for h in r.chunks_exact_mut(head_dim) {
-            for (i, p) in h.chunks_exact_mut(2).enumerate() {
-                let (a, b) = (p[0], p[1]);
-                p[0] = a * c[i] - b * s[i];
-                p[1] = a * s[i] + b * c[i];
+            for i in 0..half {
+                let (ia, ib) = match arch {
+                    Arch::Llama => (2 * i, 2 * i + 1),
+                    Arch::Qwen2 => (i, i + half),
+                };
+                let (a, b) = (h[ia], h[ib]);
+                h[ia] = a * c[i] - b * s[i];
+                h[ib] = a * s[i] + b * c[i];
             }
         }
     }
@@ -415,16 +436,23 @@ impl Llama {
         let mut act = vec![0.0f32; n * c.ffn_dim];
         for (layer, attn) in w.layers.iter().zip(self.attn.iter_mut()) {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
-            let qkv = layer.qkv.forward(&h, n)?;
+            let mut qkv = layer.qkv.forward(&h, n)?;
             let row = d + 2 * kvd;
+            if let Some(bias) = &layer.qkv_bias {
+                for r in qkv.chunks_exact_mut(row) {
+                    for (x, b) in r.iter_mut().zip(bias) {
+                        *x += b;
+                    }
+                }
+            }
             for t in 0..n {
                 let r = &qkv[t * row..(t + 1) * row];
                 q[t * d..(t + 1) * d].copy_from_slice(&r[..d]);
                 k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d..d + kvd]);
                 v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d + kvd..]);
             }
-            rope(&mut q, d, hd, &cos, &sin);
-            rope(&mut k, kvd, hd, &cos, &sin);
+            rope(&mut q, d, hd, &cos, &sin, c.arch);
+            rope(&mut k, kvd, hd, &cos, &sin, c.arch);
             attn.forward(&q, &k, &v, n, &mut att)?;
             let o = layer.wo.forward(&att, n)?;
             for (a, b) in x.iter_mut().zip(&o) {

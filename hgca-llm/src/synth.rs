@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::{Error, Result};
+use crate::{Arch, Error, Result};
 
 /// The shape of the synthetic model.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +31,9 @@ pub struct SynthSpec {
     /// Store matrices as Q4_1 and the embedding as Q8_0 (like SmolLM2's
     /// GGUF) instead of f32.
     pub quantized: bool,
+    /// The architecture: Qwen2 adds Q/K/V biases, its metadata prefix and
+    /// its pre-tokenizer.
+    pub arch: Arch,
 }
 
 impl Default for SynthSpec {
@@ -44,6 +47,7 @@ impl Default for SynthSpec {
             rope_theta: 10_000.0,
             seed: 7,
             quantized: true,
+            arch: Arch::Llama,
         }
     }
 }
@@ -148,6 +152,7 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         )?)
     };
     named.push(("output_norm.weight".into(), norm(s.dim, 1)?));
+    let mut bias_rng = Lcg(s.seed ^ 0x2545_f491_4f6c_dd1d);
     for l in 0..s.n_layers {
         let p = |x: &str| format!("blk.{l}.{x}.weight");
         named.push((p("attn_norm"), norm(s.dim, 2 + l as u64)?));
@@ -167,28 +172,47 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
                 GgmlDType::Q4_1,
             )?,
         ));
+        if s.arch == Arch::Qwen2 {
+            let b = |x: &str| format!("blk.{l}.{x}.bias");
+            for (name, len) in [("attn_q", s.dim), ("attn_k", kv), ("attn_v", kv)] {
+                let data: Vec<f32> = (0..len).map(|_| 0.5 * bias_rng.next()).collect();
+                let t = Tensor::from_vec(data, len, &Device::Cpu)?;
+                named.push((b(name), QTensor::quantize(&t, GgmlDType::F32)?));
+            }
+        }
     }
     let str_arr = |v: &[String]| Value::Array(v.iter().map(|s| Value::String(s.clone())).collect());
     let merges: Vec<String> = MERGES.iter().map(|m| m.to_string()).collect();
-    let meta: Vec<(&str, Value)> = vec![
-        ("general.architecture", Value::String("llama".into())),
-        ("general.name", Value::String("hgca-llm synthetic".into())),
-        ("general.alignment", Value::U32(32)),
-        ("llama.block_count", Value::U32(s.n_layers as u32)),
-        ("llama.context_length", Value::U32(8192)),
-        ("llama.embedding_length", Value::U32(s.dim as u32)),
-        ("llama.feed_forward_length", Value::U32(s.ffn_dim as u32)),
-        ("llama.attention.head_count", Value::U32(s.n_heads as u32)),
+    let a = s.arch.name();
+    let key = |k: &str| format!("{a}.{k}");
+    let arch_meta: Vec<(String, Value)> = vec![
+        (key("block_count"), Value::U32(s.n_layers as u32)),
+        (key("context_length"), Value::U32(8192)),
+        (key("embedding_length"), Value::U32(s.dim as u32)),
+        (key("feed_forward_length"), Value::U32(s.ffn_dim as u32)),
+        (key("attention.head_count"), Value::U32(s.n_heads as u32)),
         (
-            "llama.attention.head_count_kv",
+            key("attention.head_count_kv"),
             Value::U32(s.n_kv_heads as u32),
         ),
-        ("llama.rope.freq_base", Value::F32(s.rope_theta)),
-        ("llama.rope.dimension_count", Value::U32(head_dim as u32)),
-        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
-        ("llama.vocab_size", Value::U32(vocab as u32)),
+        (key("rope.freq_base"), Value::F32(s.rope_theta)),
+        (key("rope.dimension_count"), Value::U32(head_dim as u32)),
+        (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (key("vocab_size"), Value::U32(vocab as u32)),
+    ];
+    let pre = match s.arch {
+        Arch::Llama => "smollm",
+        Arch::Qwen2 => "qwen2",
+    };
+    let mut meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String(a.into())),
+        ("general.name", Value::String("hgca-llm synthetic".into())),
+        ("general.alignment", Value::U32(32)),
+    ];
+    meta.extend(arch_meta.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    meta.extend([
         ("tokenizer.ggml.model", Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre", Value::String("smollm".into())),
+        ("tokenizer.ggml.pre", Value::String(pre.into())),
         ("tokenizer.ggml.tokens", str_arr(&tokens)),
         (
             "tokenizer.ggml.token_type",
@@ -198,7 +222,7 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         ("tokenizer.ggml.bos_token_id", Value::U32(1)),
         ("tokenizer.ggml.eos_token_id", Value::U32(2)),
         ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
-    ];
+    ]);
     let path = path.as_ref();
     let file = File::create(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),

@@ -2,15 +2,32 @@
 //! `tokenizers` crate: GPT-2 byte-level BPE from the vocabulary and merges.
 
 use candle_core::quantized::gguf_file::Value;
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, PreTokenizerWrapper, Tokenizer};
 
 use crate::gguf::GgufFile;
 use crate::{Error, Result};
+
+/// Qwen2's pre-tokenizer split (llama.cpp's `qwen2` pre-type): contractions,
+/// letters with one leading non-letter, single digits, punctuation runs,
+/// newlines, spaces.
+const QWEN2_SPLIT: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizers a GGUF's `tokenizer.ggml.pre` names.
+enum Pre {
+    /// GPT-2's split (`gpt2`, `default`).
+    Gpt2,
+    /// GPT-2's split after splitting digits apart (`smollm`).
+    Digits,
+    /// Qwen2's regex split, then byte-level without GPT-2's regex.
+    Qwen2,
+}
 
 /// GGUF token type of control (special) tokens.
 const TOKEN_TYPE_CONTROL: i32 = 3;
@@ -59,13 +76,16 @@ impl GgufTokenizer {
             Ok(p) => p.to_owned(),
             Err(_) => "default".to_owned(),
         };
-        let split_digits = match pre.as_str() {
-            "smollm" => true,
-            "gpt2" | "default" => false,
+        let pre = match pre.as_str() {
+            "smollm" => Pre::Digits,
+            "gpt2" | "default" => Pre::Gpt2,
+            "qwen2" => Pre::Qwen2,
             other => {
                 return Err(Error::meta(
                     "tokenizer.ggml.pre",
-                    format!("pre-tokenizer `{other}` is not supported (smollm, gpt2, default)"),
+                    format!(
+                        "pre-tokenizer `{other}` is not supported (smollm, qwen2, gpt2, default)"
+                    ),
                 ));
             }
         };
@@ -103,10 +123,22 @@ impl GgufTokenizer {
             .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))?;
         let mut inner = Tokenizer::new(bpe);
         let byte_level = ByteLevel::new(false, true, true);
-        let pre_tok: PreTokenizerWrapper = if split_digits {
-            Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-        } else {
-            byte_level.into()
+        let pre_tok: PreTokenizerWrapper = match pre {
+            Pre::Gpt2 => byte_level.into(),
+            Pre::Digits => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+            Pre::Qwen2 => {
+                let split = Split::new(
+                    SplitPattern::Regex(QWEN2_SPLIT.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .map_err(|e| Error::Tokenizer(crate::error::one_line(&e.to_string())))?;
+                Sequence::new(vec![
+                    split.into(),
+                    ByteLevel::new(false, true, false).into(),
+                ])
+                .into()
+            }
         };
         inner.with_pre_tokenizer(Some(pre_tok));
         inner.with_decoder(Some(ByteLevelDecoder::default()));
