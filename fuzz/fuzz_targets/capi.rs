@@ -28,6 +28,8 @@ enum Call {
         cache: Cache,
         table: Table,
         q_heads: u8,
+        /// `(ith, nth)`: with `nth > 0`, also shard `ith` of `nth`.
+        shard: (u8, u8),
         sparse: bool,
         weights: bool,
         base: u8,
@@ -367,11 +369,31 @@ fuzz_target!(|c: Case| {
                 let good = ok(s);
                 finite_if_ok(good, &out, "merge out");
                 finite_if_ok(good, &lse, "merge lse");
+                if let Some(first) = states.first() {
+                    // SAFETY: as above; `out`/`lse` do not alias the states.
+                    let s = unsafe {
+                        hgca_merge_into(
+                            out.as_mut_ptr(),
+                            out.len(),
+                            lse.as_mut_ptr(),
+                            lse.len(),
+                            first,
+                            t,
+                            h,
+                            d,
+                            u32::from(base % 3),
+                            u32::from(layout % 3),
+                        )
+                    };
+                    let good = ok(s);
+                    finite_if_ok(good, &out, "merge_into out");
+                }
             }
             Call::Decode {
                 cache: cc,
                 table: tt,
                 q_heads,
+                shard,
                 sparse,
                 weights,
                 base,
@@ -422,6 +444,52 @@ fuzz_target!(|c: Case| {
                 };
                 let good = ok(s);
                 finite_if_ok(good, &out, "decode out");
+                // One shard on this thread, its rows and weights sized by hgca.
+                let (ith, nth) = (usize::from(shard.0 % 5), usize::from(shard.1 % 4));
+                let (mut first, mut count, mut wfirst, mut wcount) = (0, 0, 0, 0);
+                let sels_ptr = if *sparse { sels.as_ptr() } else { null() };
+                let n_sels = if *sparse { sels.len() } else { 0 };
+                // SAFETY: valid pointers for the call.
+                let rows_ok =
+                    ok(unsafe { hgca_shard_rows(&sh, batch, ith, nth, &mut first, &mut count) });
+                // SAFETY: as above.
+                let w_ok = ok(unsafe {
+                    hgca_shard_weights(
+                        &sh,
+                        pc,
+                        bt,
+                        sels_ptr,
+                        n_sels,
+                        ith,
+                        nth,
+                        &mut wfirst,
+                        &mut wcount,
+                    )
+                });
+                if rows_ok && count <= 64 && wcount <= 1 << 16 {
+                    let mut so = vec![0f32; count * d];
+                    let mut sl = vec![0f32; count];
+                    let mut sw = vec![0f32; wcount];
+                    let w = (*weights && w_ok).then_some(&mut sw[..]);
+                    let outs = outputs(&mut so, &mut sl, u32::from(base % 3), 0, w);
+                    // SAFETY: every pointer is valid for the length passed with it.
+                    let s = unsafe {
+                        hgca_decode_batch_shard(
+                            cpu(),
+                            ith,
+                            nth,
+                            &sh,
+                            q.as_ptr(),
+                            q.len(),
+                            pc,
+                            bt,
+                            sels_ptr,
+                            n_sels,
+                            &outs,
+                        )
+                    };
+                    finite_if_ok(ok(s), &so, "shard out");
+                }
             }
             Call::Append {
                 cache: cc,
@@ -543,6 +611,8 @@ fuzz_target!(|c: Case| {
                         reports.len(),
                     )
                 });
+                // SAFETY: `b` is live.
+                let _ = ok(unsafe { hgca_page_bounds_reset(b, usize::from(*k % 10)) });
                 // SAFETY: `b` is live and freed once.
                 unsafe { hgca_page_bounds_free(b) };
             }
