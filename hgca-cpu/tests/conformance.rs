@@ -467,13 +467,6 @@ macro_rules! isa_suite {
                 }
             }
 
-            #[test]
-            fn isa_is_the_one_asked_for() {
-                if let Some(b) = backend($kind, Par::Seq) {
-                    assert_eq!(b.isa().kind(), $kind);
-                    eprintln!("ISA {} runs ({} f32 lanes)", b.isa(), b.isa().lanes());
-                }
-            }
 
             proptest! {
                 #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
@@ -965,4 +958,42 @@ fn calls_from_inside_the_backends_pool_finish() {
             }
         });
     });
+}
+
+/// The ISAs the library detects are exactly those /proc/cpuinfo's flags
+/// allow (V3: pulp's x86-64-v3 features and F16C; V4: those and AVX-512
+/// F/BW/CD/DQ/VL), read independently of the library's detection.
+#[test]
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detected_isas_match_proc_cpuinfo() {
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+        eprintln!("SKIP: /proc/cpuinfo unreadable");
+        return;
+    };
+    let flags: std::collections::HashSet<&str> = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    let has = |fs: &[&str]| fs.iter().all(|f| flags.contains(f));
+    // pulp's x86-64-v3 token (`pni` is SSE3, `abm` LZCNT), plus F16C for V3.
+    let base = has(&[
+        "sse", "sse2", "fxsr", "pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "bmi1",
+        "bmi2", "fma", "abm",
+    ]);
+    let v3 = base && has(&["f16c"]);
+    let v4 = base && has(&["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"]);
+    let mut want = vec![IsaKind::Scalar];
+    if v3 {
+        want.push(IsaKind::V3);
+    }
+    if v4 {
+        want.push(IsaKind::V4);
+    }
+    let got: Vec<IsaKind> = hgca_cpu::Isa::available()
+        .iter()
+        .map(|i| i.kind())
+        .collect();
+    assert_eq!(got, want, "the library's ISAs against /proc/cpuinfo");
+    eprintln!("ISAs detected, as /proc/cpuinfo allows: {got:?}");
 }

@@ -132,27 +132,19 @@ enum Rule {
 }
 
 fn parse_recovery(s: &str) -> std::result::Result<Rule, String> {
-    let (kind, n) = s.split_once(':').unwrap_or((s, ""));
-    let num = || {
-        n.parse::<usize>()
-            .map_err(|e| format!("--recovery {s}: {e}"))
-    };
-    match kind {
-        "frozen" | "paper" => Ok(Rule::Fixed(Recovery::Frozen)),
-        "rescore" => Ok(Rule::Fixed(Recovery::Rescore { every: num()? })),
-        "bounds" => match n.strip_suffix('%') {
-            Some(p) => p
-                .parse::<f64>()
-                .ok()
-                .filter(|p| (0.0..=100.0).contains(p))
-                .map(|p| Rule::BoundsShare(p / 100.0))
-                .ok_or(format!("--recovery {s}: a percentage 0..100")),
-            None => Ok(Rule::Fixed(Recovery::BlockBounds { top: num()? })),
-        },
-        _ => Err(format!(
-            "--recovery {s}: expected frozen, rescore:R, bounds:K or bounds:P%"
-        )),
+    // A share of the blocks (`bounds:P%`) is the demo's own; the rest is
+    // hgca-hybrid's `FromStr`.
+    if let Some(p) = s.strip_prefix("bounds:").and_then(|n| n.strip_suffix('%')) {
+        return p
+            .parse::<f64>()
+            .ok()
+            .filter(|p| (0.0..=100.0).contains(p))
+            .map(|p| Rule::BoundsShare(p / 100.0))
+            .ok_or(format!("--recovery {s}: a percentage 0..100"));
     }
+    s.parse::<Recovery>()
+        .map(Rule::Fixed)
+        .map_err(|_| format!("--recovery {s}: expected frozen, rescore:R, bounds:K or bounds:P%"))
 }
 
 fn shape() -> AttnShape {

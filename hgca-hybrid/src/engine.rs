@@ -32,6 +32,35 @@ pub enum Recovery {
     },
 }
 
+impl std::str::FromStr for Recovery {
+    type Err = Error;
+
+    /// `frozen` (or `paper`), `rescore:N`, `bounds:N`: the form command
+    /// lines take.
+    ///
+    /// ```
+    /// use hgca_hybrid::Recovery;
+    /// assert_eq!("bounds:32".parse::<Recovery>()?, Recovery::BlockBounds { top: 32 });
+    /// assert!("rescore:x".parse::<Recovery>().is_err());
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || Error::Param {
+            what: "recovery",
+            value: f64::NAN,
+            expected: "frozen, rescore:N or bounds:N",
+        };
+        let (kind, n) = s.split_once(':').unwrap_or((s, ""));
+        let n = || n.parse::<usize>().map_err(|_| bad());
+        Ok(match kind {
+            "frozen" | "paper" => Recovery::Frozen,
+            "rescore" => Recovery::Rescore { every: n()? },
+            "bounds" => Recovery::BlockBounds { top: n()? },
+            _ => return Err(bad()),
+        })
+    }
+}
+
 /// Configuration of a [`HybridAttention`] layer.
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -395,6 +424,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// # Ok::<(), hgca_kernels::Error>(())
     /// ```
     pub fn new(shape: AttnShape, cfg: HybridConfig, dense: D, sparse: S) -> Result<Self> {
+        // The config first: its errors name its own fields (`block`), not
+        // the store's.
+        cfg.validate(&shape)?;
         let store = KvStore::new(shape.kv_heads(), shape.head_dim(), cfg.block)?;
         Self::with_store(shape, cfg, dense, sparse, store)
     }

@@ -140,46 +140,72 @@ fn bad_config_and_input_are_typed_errors() {
         block: 16,
         ..HybridConfig::default()
     };
-    let bad = [
-        HybridConfig {
-            block: 0,
-            ..base.clone()
-        },
-        HybridConfig {
-            block: 12,
-            ..base.clone()
-        },
-        HybridConfig {
-            window: 8,
-            ..base.clone()
-        },
-        HybridConfig {
-            beta: f32::NAN,
-            ..base.clone()
-        },
-        HybridConfig {
-            beta: -1.0,
-            ..base.clone()
-        },
-        HybridConfig {
-            alpha: 1.5,
-            ..base.clone()
-        },
-        HybridConfig {
-            recovery: Recovery::Rescore { every: 0 },
-            ..base.clone()
-        },
-        HybridConfig {
-            beta_per_head: Some(vec![1.0]),
-            ..base.clone()
-        },
+    // Each bad configuration with the error it must give (the variant and
+    // the parameter it names, not merely an error).
+    let with = |f: &dyn Fn(&mut HybridConfig)| {
+        let mut c = base.clone();
+        f(&mut c);
+        c
+    };
+    let zero = |w: &'static str| move |e: &Error| matches!(e, Error::Zero { what } if *what == w);
+    let param =
+        |w: &'static str| move |e: &Error| matches!(e, Error::Param { what, .. } if *what == w);
+    type Check = Box<dyn Fn(&Error) -> bool>;
+    let bad: Vec<(HybridConfig, Check)> = vec![
+        (with(&|c| c.block = 0), Box::new(zero("block"))),
+        (with(&|c| c.block = 12), Box::new(param("block"))),
+        (
+            with(&|c| c.window = 8),
+            Box::new(|e: &Error| matches!(e, Error::Capacity { .. })),
+        ),
+        (with(&|c| c.beta = f32::NAN), Box::new(param("beta"))),
+        (with(&|c| c.beta = -1.0), Box::new(param("beta"))),
+        (with(&|c| c.alpha = 1.5), Box::new(param("alpha"))),
+        (
+            with(&|c| c.recovery = Recovery::Rescore { every: 0 }),
+            Box::new(zero("rescore period")),
+        ),
+        (
+            with(&|c| c.recovery = Recovery::BlockBounds { top: 0 }),
+            Box::new(zero("block bounds top")),
+        ),
+        (
+            with(&|c| c.refresh_queries = 0),
+            Box::new(zero("refresh queries")),
+        ),
+        (
+            with(&|c| c.beta_per_head = Some(vec![1.0])),
+            Box::new(|e: &Error| {
+                matches!(
+                    e,
+                    Error::Length {
+                        what: "beta_per_head",
+                        expected: 2,
+                        found: 1
+                    }
+                )
+            }),
+        ),
     ];
-    for cfg in bad {
-        assert!(
-            HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()).is_err(),
-            "{cfg:?}"
-        );
+    for (cfg, want) in bad {
+        match HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()) {
+            Err(e) => assert!(want(&e), "{cfg:?} gave {e:?}"),
+            Ok(_) => panic!("{cfg:?} was accepted"),
+        }
     }
+    // Recovery parses from the command-line form.
+    assert_eq!(
+        "rescore:8".parse::<Recovery>().unwrap(),
+        Recovery::Rescore { every: 8 }
+    );
+    assert_eq!("frozen".parse::<Recovery>().unwrap(), Recovery::Frozen);
+    assert!(matches!(
+        "bounds:-1".parse::<Recovery>(),
+        Err(Error::Param {
+            what: "recovery",
+            ..
+        })
+    ));
     // The KV dtype has one source, the type parameter: the window stores it.
     use hgca_kernels::KvWindow;
     let l16 = HybridAttention::<_, _, f16>::cpu(shape, base.clone()).unwrap();

@@ -205,17 +205,9 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
 }
 
 fn parse_recovery(s: &str) -> Result<Recovery> {
-    let bad = || Error::Invalid {
+    s.parse().map_err(|_| Error::Invalid {
         what: "--recovery",
         msg: format!("`{s}`: expected frozen, rescore:N or bounds:N"),
-    };
-    let (kind, n) = s.split_once(':').unwrap_or((s, ""));
-    let n = || n.parse::<usize>().map_err(|_| bad());
-    Ok(match kind {
-        "frozen" => Recovery::Frozen,
-        "rescore" => Recovery::Rescore { every: n()? },
-        "bounds" => Recovery::BlockBounds { top: n()? },
-        _ => return Err(bad()),
     })
 }
 
