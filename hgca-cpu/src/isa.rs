@@ -526,17 +526,6 @@ mod neon {
     use core::arch::aarch64::*;
     use half::{bf16, f16};
     use pulp::aarch64::Neon;
-    use std::sync::OnceLock;
-
-    /// Whether the CPU has FEAT_FP16 (then f16 widens with `fcvtl`; without
-    /// it, with exact integer ops). Both paths are exact; tests run both.
-    pub fn has_fp16() -> bool {
-        static FP16: OnceLock<bool> = OnceLock::new();
-        *FP16.get_or_init(|| {
-            std::env::var_os("HGCA_NEON_NO_FP16").is_none()
-                && std::arch::is_aarch64_feature_detected!("fp16")
-        })
-    }
 
     impl Kern for Neon {
         kern_enter_vectorize!();
@@ -544,30 +533,16 @@ mod neon {
         #[inline(always)]
         fn widen_f16(self, _: (), src: &[f16]) -> Self::f32s {
             let src = &src[..4];
-            if has_fp16() {
-                // SAFETY: 8 readable bytes (checked above); fcvtl is base
-                // AdvSIMD, and the Neon token proves AdvSIMD.
-                unsafe {
-                    let h = vld1_u16(src.as_ptr().cast());
-                    let out: float32x4_t;
-                    core::arch::asm!("fcvtl {o:v}.4s, {i:v}.4h", o = out(vreg) out, i = in(vreg) h, options(pure, nomem, nostack));
-                    pulp::cast(out)
-                }
-            } else {
-                // SAFETY: 8 readable bytes (checked above); the Neon token proves AdvSIMD.
-                unsafe {
-                    let h = vmovl_u16(vld1_u16(src.as_ptr().cast()));
-                    let sign = vshlq_n_u32::<16>(vandq_u32(h, vdupq_n_u32(0x8000)));
-                    let em = vshlq_n_u32::<13>(vandq_u32(h, vdupq_n_u32(0x7fff)));
-                    let f = vmulq_f32(
-                        vreinterpretq_f32_u32(em),
-                        vreinterpretq_f32_u32(vdupq_n_u32(0x7780_0000)),
-                    );
-                    let special = vceqq_u32(vandq_u32(h, vdupq_n_u32(0x7c00)), vdupq_n_u32(0x7c00));
-                    let infnan = vorrq_u32(em, vdupq_n_u32(0x7f80_0000));
-                    let f = vbslq_u32(special, infnan, vreinterpretq_u32_f32(f));
-                    pulp::cast(vorrq_u32(f, sign))
-                }
+            // FCVTL (half to single, vector) is base ARMv8.0 AdvSIMD:
+            // FEAT_FP16 (ARMv8.2) adds half-precision arithmetic, which this
+            // does not use, so every AArch64 CPU runs it. FPCR.AHP is 0 under
+            // Linux: IEEE half precision.
+            // SAFETY: 8 readable bytes (checked above); the Neon token proves AdvSIMD.
+            unsafe {
+                let h = vld1_u16(src.as_ptr().cast());
+                let out: float32x4_t;
+                core::arch::asm!("fcvtl {o:v}.4s, {i:v}.4h", o = out(vreg) out, i = in(vreg) h, options(pure, nomem, nostack));
+                pulp::cast(out)
             }
         }
         #[inline(always)]
@@ -585,6 +560,3 @@ mod neon {
         }
     }
 }
-
-#[cfg(target_arch = "aarch64")]
-pub use neon::has_fp16 as neon_has_fp16;

@@ -261,7 +261,7 @@ impl DenseAttention for CpuBackend {
                 *self.wbuf.lock().unwrap_or_else(|e| e.into_inner()) = src;
                 Ok(())
             }
-            (Some(_), None) => Err(no_weights()),
+            (Some(_), None) => Err(hgca_kernels::weights_not_requested()),
         }
     }
 
@@ -271,7 +271,7 @@ impl DenseAttention for CpuBackend {
         out: PartialMut<'_>,
         weights: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut src = self.take_pending(p, out)?.ok_or_else(no_weights)?;
+        let mut src = self.take_pending(p, out)?.ok_or_else(hgca_kernels::weights_not_requested)?;
         check_len("weights", src.len(), weights.len())?;
         // Swap, do not copy: the caller's old buffer is reused next step.
         std::mem::swap(weights, &mut src);
@@ -294,13 +294,5 @@ impl CpuBackend {
         o.copy_from_slice(p.partial.out());
         l.copy_from_slice(p.partial.lse());
         Ok(p.weights)
-    }
-}
-
-fn no_weights() -> Error {
-    Error::Param {
-        what: "weights",
-        value: 0.0,
-        expected: "weights only for a decode submitted with want_weights",
     }
 }

@@ -28,7 +28,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     use hgca_kernels::{AttnShape, DType, KvWindow, WindowBackend, WindowSpec};
     use std::fmt::Write as _;
 
-    let b = CudaBackend::new()?;
+    // HGCA_CUDA_STAGED=1 (scripts/gpu-check.sh): the staged decode loop.
+    let staged = std::env::var("HGCA_CUDA_STAGED").is_ok_and(|v| v == "1");
+    let b = CudaBackend::new()?.with_staged_decode(staged);
     println!(
         "device: {} (sm_{}{})",
         b.device_name(),

@@ -225,14 +225,24 @@ fn no_gpu_is_a_typed_error() {
 /// `None`, with the reason printed once, without a usable GPU.
 fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    // scripts/gpu-check.sh runs the suite a second time with the staged loop.
+    let staged = std::env::var("HGCA_CUDA_STAGED").is_ok_and(|v| v == "1");
     GPU.get_or_init(|| match CudaBackend::new() {
-        Ok(b) => Some(b),
+        Ok(b) => Some(b.with_staged_decode(staged)),
         Err(e) => {
             eprintln!("SKIP: device tests: no usable CUDA GPU: {e}");
             None
         }
     })
     .as_ref()
+}
+
+/// Weights at wait without asking at submit: the error every backend gives.
+#[test]
+fn gpu_weights_request_errors_are_the_shared_ones() {
+    let Some(b) = gpu() else { return };
+    let r = hgca_testkit::conformance::check_weights_request(b);
+    assert!(r.is_ok(), "{}", r.unwrap_err());
 }
 
 #[test]

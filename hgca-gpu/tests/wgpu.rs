@@ -674,3 +674,11 @@ fn eight_threads_share_one_wgpu_backend() {
         );
     });
 }
+
+/// Weights at wait without asking at submit: the error every backend gives.
+#[test]
+fn weights_request_errors_are_the_shared_ones() {
+    let b = need!(backend());
+    let r = hgca_testkit::conformance::check_weights_request(b);
+    assert!(r.is_ok(), "{}", r.unwrap_err());
+}

@@ -146,3 +146,14 @@ pub fn check_len_of(what: &'static str, factors: &[usize], found: usize) -> Resu
     let expected = factors.iter().fold(1usize, |n, &f| n.saturating_mul(f));
     check_len(what, expected, found)
 }
+
+/// The error of every backend's `wait` given a weights buffer for a decode
+/// submitted without `want_weights`: one variant and message whichever
+/// backend (CPU, wgpu, CUDA) it is.
+pub fn weights_not_requested() -> Error {
+    Error::ShapeMismatch {
+        what: "wait: weights",
+        expected: "no buffer: the decode was submitted without want_weights".into(),
+        found: "a weights buffer".into(),
+    }
+}

@@ -42,7 +42,7 @@ pub use backend::{
     DenseAttention, KvWindow, MergeBackend, SparseAttention, WindowBackend, WindowSpec,
 };
 pub use dtype::{DType, KvElem};
-pub use error::{Error, Result, check_len, check_len_of};
+pub use error::{Error, Result, check_len, check_len_of, weights_not_requested};
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};

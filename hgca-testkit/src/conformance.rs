@@ -347,3 +347,35 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
 fn bytes_of<T: KvElem>(x: &[T]) -> &[u8] {
     bytemuck::cast_slice(x)
 }
+
+/// A backend's `wait` given a weights buffer for a decode submitted without
+/// `want_weights` returns [`hgca_kernels::weights_not_requested`]'s error,
+/// the same variant on every backend, and a decode submitted with them
+/// refuses a buffer of the wrong length with [`hgca_kernels::Error::Length`].
+///
+/// # Errors
+/// A message naming what differed.
+pub fn check_weights_request<B: DenseAttention>(b: &B) -> Result<(), String> {
+    use hgca_kernels::{Error, Partial, PartialLayout};
+    let shape = AttnShape::new(4, 2, 8).map_err(|e| e.to_string())?;
+    let spec = WindowSpec::new(shape, 16, DType::F32).map_err(|e| e.to_string())?;
+    let mut w = b.new_window(spec).map_err(|e| e.to_string())?;
+    let row = vec![0.5f32; 3 * shape.kv_token_len()];
+    b.append(&mut w, 3, &row, &row).map_err(|e| e.to_string())?;
+    let q = vec![0.25f32; shape.q_len()];
+    let layout = PartialLayout::decode(&shape);
+    let mut out = Partial::empty(layout);
+    let mut weights = vec![0.0f32; shape.q_heads() * 3];
+    let p = b.submit_decode(&w, &q, false).map_err(|e| e.to_string())?;
+    match b.wait(p, out.as_mut(), Some(&mut weights)) {
+        Err(e) if e.to_string() == hgca_kernels::weights_not_requested().to_string() => {}
+        other => return Err(format!("weights not requested at submit: {other:?}")),
+    }
+    let p = b.submit_decode(&w, &q, true).map_err(|e| e.to_string())?;
+    match b.wait(p, out.as_mut(), Some(&mut weights[1..])) {
+        Err(Error::Length {
+            what: "weights", ..
+        }) => Ok(()),
+        other => Err(format!("a short weights buffer: {other:?}")),
+    }
+}

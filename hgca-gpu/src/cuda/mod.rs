@@ -74,6 +74,10 @@ mod off {
         pub fn with_device(_ordinal: usize) -> Result<Self> {
             Err(not_compiled_in())
         }
+        /// As in a build with feature `cuda` (no backend exists to use it).
+        pub fn with_staged_decode(self, _on: bool) -> Self {
+            self
+        }
     }
 
     /// Always fails in this build.

@@ -86,10 +86,9 @@ impl KernelSpec {
         // q and the accumulators of all heads of a block live in registers:
         // 2 * heads * (loads * vec) floats per lane, at most 64.
         s.heads_per_block = group.min((32 / s.elems_per_lane()).clamp(1, 8));
-        // The staged decode loop has been compiled (NVRTC, ptxas: no spills)
-        // but not yet run on a GPU: opt in with HGCA_CUDA_STAGED=1 until a
-        // device check has passed the conformance suite with it.
-        s.staged = std::env::var("HGCA_CUDA_STAGED").is_ok_and(|v| v == "1");
+        // The staged decode loop is opt-in ([`KernelSpec::with_staged`],
+        // `CudaBackend::with_staged_decode`) until a device check has passed
+        // the conformance suite with it.
         Ok(s)
     }
 

@@ -1098,13 +1098,7 @@ impl DenseAttention for WgpuBackend {
                 check_len("weights", n, w.len())?;
                 Some(w)
             }
-            (Some(_), None) => {
-                return Err(Error::ShapeMismatch {
-                    what: "wait: weights",
-                    expected: "None (not requested at submit)".into(),
-                    found: "Some".into(),
-                });
-            }
+            (Some(_), None) => return Err(hgca_kernels::weights_not_requested()),
             (None, _) => None,
         };
         let (o, l) = out.parts_mut();
