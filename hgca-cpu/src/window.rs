@@ -271,7 +271,9 @@ impl DenseAttention for CpuBackend {
         out: PartialMut<'_>,
         weights: &mut Vec<f32>,
     ) -> Result<()> {
-        let mut src = self.take_pending(p, out)?.ok_or_else(hgca_kernels::weights_not_requested)?;
+        let mut src = self
+            .take_pending(p, out)?
+            .ok_or_else(hgca_kernels::weights_not_requested)?;
         check_len("weights", src.len(), weights.len())?;
         // Swap, do not copy: the caller's old buffer is reused next step.
         std::mem::swap(weights, &mut src);
