@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every fuzz target, two lanes at once (one per core), from the seed corpora
-# kept in fuzz/seeds: bash scripts/fuzz.sh [seconds of wall time, default 210]
+# kept in fuzz/seeds: bash scripts/fuzz.sh [seconds of wall time, default 240]
 #   lane 1: merge (no sanitizer: safe Rust, the fast target), then gguf
 #           (no sanitizer, RSS capped; the loader bounds allocations itself)
 #   lane 2: paged, capi, hybrid under the address sanitizer (they reach the
@@ -9,7 +9,7 @@
 # Fails on any finding; prints the executions of each target and the total.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-secs=${1:-210}
+secs=${1:-240}
 if ! command -v cargo-fuzz >/dev/null 2>&1; then
   cargo install --locked cargo-fuzz@0.13.2
 fi
@@ -37,8 +37,8 @@ run() { # target seconds target-dir extra-libfuzzer-flags...
     -print_final_stats=1 -artifact_prefix="$logs/$t-" "$@" >"$logs/$t.log" 2>&1 || true
 }
 lane1() {
-  run merge $((secs * 70 / 100)) target/nosan
-  run gguf $((secs * 30 / 100)) target/nosan -rss_limit_mb=1024
+  run merge $((secs * 75 / 100)) target/nosan
+  run gguf $((secs * 25 / 100)) target/nosan -rss_limit_mb=1024
 }
 lane2() {
   run paged $((secs * 40 / 100)) target

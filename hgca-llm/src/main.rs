@@ -57,6 +57,15 @@ enum Cmd {
         /// Tokens to decode after the prefill.
         #[arg(long, default_value_t = 64)]
         decode: usize,
+        /// Attention: full (exact) or hybrid (window + sparse CPU store).
+        #[arg(long, value_enum, default_value = "full")]
+        attn: AttnKind,
+        /// Hybrid: window size as a fraction of the context.
+        #[arg(long, default_value_t = 0.25)]
+        window_ratio: f64,
+        /// Hybrid: recovery rule (frozen, rescore:N, bounds:N).
+        #[arg(long, default_value = "bounds:32")]
+        recovery: String,
     },
     /// Continue a prompt (greedy unless --temperature) and print the text.
     Generate {
@@ -471,7 +480,14 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_speed(cli: &Cli, text: &Path, context: usize, chunk: usize, decode: usize) -> Result<()> {
+fn cmd_speed(
+    cli: &Cli,
+    text: &Path,
+    (context, chunk, decode): (usize, usize, usize),
+    attn: AttnKind,
+    ratio: f64,
+    recovery: &str,
+) -> Result<()> {
     if chunk == 0 || context == 0 {
         return Err(Error::Invalid {
             what: "--context/--chunk",
@@ -480,7 +496,35 @@ fn cmd_speed(cli: &Cli, text: &Path, context: usize, chunk: usize, decode: usize
     }
     let (tok, w) = load(cli)?;
     let ids = read_tokens(&tok, text, "", context)?;
-    let mut llm = Llama::new(Arc::clone(&w), full_factory(cli.kv))?;
+    let count = Arc::new(Mutex::new(SelCount::default()));
+    let (mut llm, what) = match attn {
+        AttnKind::Full => (
+            Llama::new(Arc::clone(&w), full_factory(cli.kv))?,
+            "full attention".to_string(),
+        ),
+        AttnKind::Hybrid => {
+            if !(ratio > 0.0 && ratio <= 1.0) {
+                return Err(Error::Invalid {
+                    what: "--window-ratio",
+                    msg: format!("{ratio} is not in (0, 1]"),
+                });
+            }
+            let block = HybridConfig::default().block;
+            let window =
+                (((ratio * context as f64) / block as f64).round() as usize).max(1) * block;
+            let cfg = HybridConfig {
+                window,
+                block,
+                recovery: parse_recovery(recovery)?,
+                ..HybridConfig::default()
+            };
+            let f = hybrid_factory(cli.kv, cfg, Arc::clone(&count));
+            (
+                Llama::new(Arc::clone(&w), f)?,
+                format!("hybrid, window {window} ({ratio}), {recovery}"),
+            )
+        }
+    };
     let pb = bar(context);
     pb.set_message("prefill");
     let t0 = Instant::now();
@@ -503,11 +547,23 @@ fn cmd_speed(cli: &Cli, text: &Path, context: usize, chunk: usize, decode: usize
     let dec = t1.elapsed().as_secs_f64();
     pb.finish_and_clear();
     println!(
-        "prefill: {context} tokens in {prefill:.2}s = {:.1} tok/s (chunk {chunk})",
+        "time to first token: {prefill:.2}s for a {context}-token prompt = {:.1} tok/s prefill (chunk {chunk})",
         context as f64 / prefill
     );
+    let (picked, seen) = {
+        let c = count.lock().unwrap_or_else(|e| e.into_inner());
+        (c.selected, c.candidates)
+    };
+    let selected = if seen > 0 {
+        format!(
+            ", {:.1}% of CPU entries selected",
+            100.0 * picked as f64 / seen as f64
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "decode:  {decode} tokens at context {context}..{} in {dec:.2}s = {:.1} tok/s (full attention, weights {:?}, KV {:?})",
+        "decode:  {decode} tokens at context {context}..{} in {dec:.2}s = {:.1} tok/s ({what}{selected}, weights {:?}, KV {:?})",
         context + decode,
         decode as f64 / dec,
         cli.weights,
@@ -621,7 +677,17 @@ fn main() {
             context,
             chunk,
             decode,
-        } => cmd_speed(&cli, text, *context, *chunk, *decode),
+            attn,
+            window_ratio,
+            recovery,
+        } => cmd_speed(
+            &cli,
+            text,
+            (*context, *chunk, *decode),
+            *attn,
+            *window_ratio,
+            recovery,
+        ),
         Cmd::Generate {
             prompt,
             max_tokens,

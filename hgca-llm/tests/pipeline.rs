@@ -280,9 +280,19 @@ fn perplexity_segments_and_chunks() {
 
 #[test]
 fn hybrid_selecting_everything_equals_full() {
+    for arch in [hgca_llm::Arch::Llama, hgca_llm::Arch::Qwen2] {
+        hybrid_equals_full_for(arch);
+    }
+}
+
+fn hybrid_equals_full_for(arch: hgca_llm::Arch) {
     use hgca_hybrid::{HybridAttention, HybridConfig, Recovery};
     let dir = tempfile::tempdir().unwrap();
-    let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
+    let spec = SynthSpec {
+        arch,
+        ..SynthSpec::default()
+    };
+    let w = weights(&tiny(dir.path(), &spec), WeightFormat::F32);
     let ids: Vec<u32> = (0..80u32).map(|i| (i * 17 + 11) % 250).collect();
     let full = hgca_llm::full_attention::<f32>();
     // Prefill 30 tokens, then 50 decode steps with a 16-token window: most
@@ -310,7 +320,12 @@ fn hybrid_selecting_everything_equals_full() {
         let got = perplexity(&w, &ids, opts, hybrid, |_| {}).unwrap();
         assert_eq!(got.scored, reference.scored);
         let rel = (got.ppl / reference.ppl - 1.0).abs();
-        assert!(rel < 1e-5, "{recovery:?}: {} vs {}", got.ppl, reference.ppl);
+        assert!(
+            rel < 1e-5,
+            "{arch:?} {recovery:?}: {} vs {}",
+            got.ppl,
+            reference.ppl
+        );
     }
 }
 
