@@ -173,10 +173,20 @@ fuzz_target!(|c: Case| {
         let lse_ulp = lse_max * f32::EPSILON;
         // Each fold step rounds to f32: about an ulp of the inputs per part.
         let slack = 8e-6 + 1.2e-7 * n_parts as f32 + 4.0 * n_parts as f32 * lse_ulp;
+        // With an infinite output among the inputs, whether it shows (and
+        // meets one of the other sign: NaN) hangs on whether its weight
+        // underflows, near exp(-745), which the fold's rounded running lse
+        // and the N-way form's exact differences may decide differently.
+        let inf_in = refs
+            .iter()
+            .any(|p| p.out()[r * d..(r + 1) * d].iter().any(|x| x.is_infinite()));
         for (a, b) in acc.out()[r * d..(r + 1) * d]
             .iter()
             .zip(&out.out()[r * d..(r + 1) * d])
         {
+            if inf_in && (a.is_nan() || b.is_nan() || a.is_infinite() || b.is_infinite()) {
+                continue;
+            }
             assert_eq!(a.is_nan(), b.is_nan(), "fold {a} vs n-way {b}: {refs:?}");
             let close = a.is_nan()
                 || a == b
