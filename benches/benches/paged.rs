@@ -194,14 +194,14 @@ fn single(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str
             };
             let by = bytes(sel_total, 1);
             let sid = id("store");
+            let run = Run {
+                cpu: &cpu,
+                shape: &shape,
+                q: &q,
+                sels: &s.sels,
+                dense: kernel == "dense",
+            };
             if filter.as_deref().is_none_or(|f| sid.contains(f)) {
-                let run = Run {
-                    cpu: &cpu,
-                    shape: &shape,
-                    q: &q,
-                    sels: &s.sels,
-                    dense: kernel == "dense",
-                };
                 run.bench(crit, rep, &sid, by, ws, threads, &store, &mut out);
             }
             for bs in [1usize, 16, 64, 256] {
@@ -218,13 +218,6 @@ fn single(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str
                 )
                 .unwrap();
                 let view = batch.seq(0).unwrap();
-                let run = Run {
-                    cpu: &cpu,
-                    shape: &shape,
-                    q: &q,
-                    sels: &s.sels,
-                    dense: kernel == "dense",
-                };
                 run.bench(crit, rep, &pid, by, ws, threads, &view, &mut out);
             }
         }

@@ -6,6 +6,7 @@ use hgca_kernels::{
     AttnShape, DType, Error, KvElem, KvSource, KvStore, Partial, PartialLayout, Selection,
     SparseAttention, bf16, f16,
 };
+use hgca_testkit::stress::within_secs;
 use hgca_testkit::{
     EDGE_SHAPES, Problem, Rng, Tolerance, arb_shape, arb_spread, check_rows,
     conformance::{check_dense, check_merge_partition, check_sparse, random_sets},
@@ -879,23 +880,6 @@ impl SharedCase {
         )
         .unwrap();
         (o, l)
-    }
-}
-
-/// Runs `f` on another thread and fails if it does not end in `secs`
-/// (a deadlock fails the test instead of hanging CI).
-fn within_secs(secs: u64, f: impl FnOnce() + Send + 'static) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let h = std::thread::spawn(move || {
-        f();
-        let _ = tx.send(());
-    });
-    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
-        Ok(()) => h.join().unwrap(),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            std::panic::resume_unwind(h.join().unwrap_err())
-        }
-        Err(_) => panic!("not finished after {secs} s: deadlock?"),
     }
 }
 
