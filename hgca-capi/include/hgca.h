@@ -129,6 +129,14 @@
 #define HGCA_RECOVERY_BLOCK_BOUNDS 2
 
 /*
+ Recovery: mass-targeted selection (`mass_target`, `mass_max_share`;
+ `recovery_param` unused): per KV head and step, CPU entries in
+ decreasing estimated weight until the estimated share of the attention
+ mass left out is at most `1 - mass_target`.
+ */
+#define HGCA_RECOVERY_MASS 3
+
+/*
  What a call did.
  */
 typedef enum {
@@ -524,6 +532,16 @@ typedef struct {
    CPU threads: 1 runs on the calling thread, 0 on all cores.
    */
   uint32_t threads;
+  /*
+   `HGCA_RECOVERY_MASS`: the estimated share of the attention mass to
+   attend, in `(0, 1]`.
+   */
+  float mass_target;
+  /*
+   `HGCA_RECOVERY_MASS`: the most CPU entries a KV head takes, as a
+   share of them, in `(0, 1]`; a head needing more attends all of them.
+   */
+  float mass_max_share;
 } hgca_hybrid_config;
 
 /*
@@ -566,6 +584,17 @@ typedef struct {
    Whole step, ns.
    */
   uint64_t total_ns;
+  /*
+   `HGCA_RECOVERY_MASS`: the estimated share of the attention mass the
+   step attended, the mean over KV heads; NaN under the other rules and
+   on steps that attend every entry.
+   */
+  float mass_estimated;
+  /*
+   `HGCA_RECOVERY_MASS`: KV heads that attended every CPU entry because
+   the target needed more than `mass_max_share`.
+   */
+  size_t dense_heads;
 } hgca_step_stats;
 
 #ifdef __cplusplus

@@ -153,6 +153,11 @@ pub const HGCA_RECOVERY_FROZEN: u32 = 0;
 pub const HGCA_RECOVERY_RESCORE: u32 = 1;
 /// Recovery: per-block key bounds, the top `recovery_param` blocks admitted per step.
 pub const HGCA_RECOVERY_BLOCK_BOUNDS: u32 = 2;
+/// Recovery: mass-targeted selection (`mass_target`, `mass_max_share`;
+/// `recovery_param` unused): per KV head and step, CPU entries in
+/// decreasing estimated weight until the estimated share of the attention
+/// mass left out is at most `1 - mass_target`.
+pub const HGCA_RECOVERY_MASS: u32 = 3;
 
 /// Attention shape. `scale` 0 means the default `1/sqrt(head_dim)`.
 #[repr(C)]
@@ -342,6 +347,12 @@ pub struct hgca_hybrid_config {
     pub refresh_queries: usize,
     /// CPU threads: 1 runs on the calling thread, 0 on all cores.
     pub threads: u32,
+    /// `HGCA_RECOVERY_MASS`: the estimated share of the attention mass to
+    /// attend, in `(0, 1]`.
+    pub mass_target: f32,
+    /// `HGCA_RECOVERY_MASS`: the most CPU entries a KV head takes, as a
+    /// share of them, in `(0, 1]`; a head needing more attends all of them.
+    pub mass_max_share: f32,
 }
 
 /// What the last step of a hybrid layer did.
@@ -366,6 +377,13 @@ pub struct hgca_step_stats {
     pub merge_ns: u64,
     /// Whole step, ns.
     pub total_ns: u64,
+    /// `HGCA_RECOVERY_MASS`: the estimated share of the attention mass the
+    /// step attended, the mean over KV heads; NaN under the other rules and
+    /// on steps that attend every entry.
+    pub mass_estimated: f32,
+    /// `HGCA_RECOVERY_MASS`: KV heads that attended every CPU entry because
+    /// the target needed more than `mass_max_share`.
+    pub dense_heads: usize,
 }
 
 /// A CPU backend: SIMD kernels on the best ISA, its threads. Shared by any
@@ -1628,10 +1646,17 @@ pub unsafe extern "C" fn hgca_hybrid_config_default(cfg: *mut hgca_hybrid_config
             return fail(HGCA_NULL_POINTER, "cfg is null");
         }
         let d = HybridConfig::default();
+        // The mass fields hold the selector's defaults whatever the rule,
+        // so that switching `recovery` to HGCA_RECOVERY_MASS needs nothing else.
+        let mut mass = MassTarget::new(0.9, 0.5)?;
         let (recovery, param) = match d.recovery {
             Recovery::Frozen => (HGCA_RECOVERY_FROZEN, 0),
             Recovery::Rescore { every } => (HGCA_RECOVERY_RESCORE, every),
             Recovery::BlockBounds { top } => (HGCA_RECOVERY_BLOCK_BOUNDS, top),
+            Recovery::Mass(m) => {
+                mass = m;
+                (HGCA_RECOVERY_MASS, 0)
+            }
         };
         let c = hgca_hybrid_config {
             size: core::mem::size_of::<hgca_hybrid_config>() as u32,
@@ -1645,6 +1670,8 @@ pub unsafe extern "C" fn hgca_hybrid_config_default(cfg: *mut hgca_hybrid_config
             recovery_param: param,
             refresh_queries: d.refresh_queries,
             threads: 0,
+            mass_target: mass.target,
+            mass_max_share: mass.max_share,
         };
         // SAFETY: non-null, valid for a write.
         unsafe { cfg.write(c) };
@@ -1680,6 +1707,7 @@ pub unsafe extern "C" fn hgca_hybrid_new(
             HGCA_RECOVERY_BLOCK_BOUNDS => Recovery::BlockBounds {
                 top: c.recovery_param,
             },
+            HGCA_RECOVERY_MASS => Recovery::Mass(MassTarget::new(c.mass_target, c.mass_max_share)?),
             x => {
                 return fail(
                     HGCA_PARAM,
@@ -1875,6 +1903,8 @@ pub unsafe extern "C" fn hgca_hybrid_stats(
             sparse_ns: s.sparse.as_nanos() as u64,
             merge_ns: s.merge.as_nanos() as u64,
             total_ns: s.total.as_nanos() as u64,
+            mass_estimated: s.mass_estimated.unwrap_or(f32::NAN),
+            dense_heads: s.dense_heads,
         };
         Ok(())
     })

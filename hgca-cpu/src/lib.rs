@@ -17,8 +17,10 @@
 mod backend;
 pub mod isa;
 mod kernel;
+mod select;
 mod window;
 
 pub use backend::{BatchTokens, CpuBackend, Par, Shard};
 pub use isa::{Isa, IsaKind};
+pub use select::{INT8_TILE, Int8Keys, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

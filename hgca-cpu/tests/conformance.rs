@@ -411,6 +411,76 @@ fn bounds_case<T: KvElem>(
     Ok(())
 }
 
+/// The int8 score estimate: against the formula in f64 over the same
+/// codes (an exact integer dot product, so only f32 rounding differs), and
+/// within the quantisation bound of the exact score; rows holding an
+/// infinity or a NaN give `+inf`.
+fn int8_case(b: &CpuBackend, heads: usize, d: usize, n: usize, seed: u64) -> Result<(), String> {
+    use hgca_cpu::{INT8_TILE, Int8Keys};
+    let mut rng = Rng::new(seed);
+    let mut keys = Int8Keys::new(d);
+    let mut rows = Vec::new();
+    for j in 0..n {
+        let mut k: Vec<f32> = (0..d).map(|_| 3.0 * rng.sym()).collect();
+        if j % 13 == 5 {
+            k[j % d] = if j % 2 == 0 { f32::INFINITY } else { f32::NAN };
+        }
+        if j % 17 == 3 {
+            k.fill(0.0);
+        }
+        keys.push(&k);
+        rows.push(k);
+    }
+    let q: Vec<f32> = (0..heads * d).map(|_| 2.0 * rng.sym()).collect();
+    let off: Vec<f32> = (0..heads).map(|_| 5.0 * rng.sym()).collect();
+    let mut out = vec![f32::NAN; n];
+    b.int8_max_scores(&q, &off, d, keys.codes(), keys.scales(), &mut out)
+        .map_err(|e| e.to_string())?;
+    let tile = INT8_TILE;
+    for (j, k) in rows.iter().enumerate() {
+        let sc = keys.scales()[j];
+        if k.iter().any(|x| !x.is_finite()) {
+            if out[j] != f32::INFINITY {
+                return Err(format!(
+                    "row {j} holds a non-finite key: {} (want +inf)",
+                    out[j]
+                ));
+            }
+            continue;
+        }
+        let code = |i: usize| f64::from(keys.codes()[(j / tile) * tile * d + i * tile + j % tile]);
+        let (mut want, mut exact, mut slack) = (f64::NEG_INFINITY, f64::NEG_INFINITY, 0.0f64);
+        for h in 0..heads {
+            let qh = &q[h * d..(h + 1) * d];
+            let dot: f64 = (0..d).map(|i| f64::from(qh[i]) * code(i)).sum();
+            want = want.max(dot * f64::from(sc) - f64::from(off[h]));
+            let e: f64 = (0..d).map(|i| f64::from(qh[i]) * f64::from(k[i])).sum();
+            exact = exact.max(e - f64::from(off[h]));
+            let l1: f64 = qh.iter().map(|x| f64::from(x.abs())).sum();
+            slack = slack.max(l1 * f64::from(sc) / 2.0);
+        }
+        let got = f64::from(out[j]);
+        let mag: f64 = (0..heads)
+            .map(|h| {
+                let l1: f64 = q[h * d..(h + 1) * d]
+                    .iter()
+                    .map(|x| f64::from(x.abs()))
+                    .sum();
+                l1 * 127.0 * f64::from(sc) + f64::from(off[h].abs())
+            })
+            .fold(0.0, f64::max);
+        if (got - want).abs() > 1e-5 * mag + 1e-30 {
+            return Err(format!("row {j}: {got} vs the formula's {want}"));
+        }
+        if (got - exact).abs() > slack * (1.0 + 1e-4) + 1e-5 * mag {
+            return Err(format!(
+                "row {j}: {got} vs exact {exact}, beyond the bound {slack}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
@@ -585,6 +655,19 @@ macro_rules! isa_suite {
                             DType::F16 => bounds_case::<f16>(&b, heads, d, blocks, seed),
                             DType::BF16 => bounds_case::<bf16>(&b, heads, d, blocks, seed),
                         };
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
+                fn int8_scores_match_their_formula(
+                    heads in 1usize..12,
+                    d in 1usize..140,
+                    n in 0usize..70,
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, Par::Seq) {
+                        let r = int8_case(&b, heads, d, n, seed);
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                     }
                 }
@@ -981,4 +1064,37 @@ fn detected_isas_match_proc_cpuinfo() {
 fn weights_request_errors_are_the_shared_ones() {
     let r = hgca_testkit::conformance::check_weights_request(&CpuBackend::new());
     assert!(r.is_ok(), "{}", r.unwrap_err());
+}
+
+#[test]
+fn int8_scores_reject_bad_lengths_with_typed_errors() {
+    use hgca_cpu::Int8Keys;
+    let b = CpuBackend::new();
+    let mut keys = Int8Keys::new(4);
+    keys.push(&[1.0, -2.0, 0.5, 0.0]);
+    let (codes, scales) = (keys.codes(), keys.scales());
+    let mut out = [0.0f32; 1];
+    let len = |r: Result<(), Error>, want: &str| match r {
+        Err(Error::Length { what, .. }) => assert_eq!(what, want),
+        other => panic!("{want}: {other:?}"),
+    };
+    len(
+        b.int8_max_scores(&[0.0; 3], &[0.0], 4, codes, scales, &mut out),
+        "q",
+    );
+    len(
+        b.int8_max_scores(&[0.0; 4], &[0.0], 4, &codes[..8], scales, &mut out),
+        "keys (whole tiles)",
+    );
+    len(
+        b.int8_max_scores(&[0.0; 4], &[0.0], 4, codes, scales, &mut [0.0; 2]),
+        "out (one per key row)",
+    );
+    assert!(matches!(
+        b.int8_max_scores(&[], &[0.0], 0, codes, scales, &mut out),
+        Err(Error::Zero { .. })
+    ));
+    b.int8_max_scores(&[1.0, 0.0, 0.0, 0.0], &[0.0], 4, codes, scales, &mut out)
+        .unwrap();
+    assert!((out[0] - 1.0).abs() < 2.0 / 127.0, "{}", out[0]);
 }

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! hgca-demo [hybrid] [--context N] [--window-ratio R] [--block B] [--beta X]
-//!                    [--steps S] [--recovery frozen|rescore:R|bounds:K|bounds:P%] [--shift]
+//!                    [--steps S] [--recovery frozen|rescore:R|bounds:K|bounds:P%|mass:P[:S]] [--shift]
 //!                    [--backend auto|cpu|wgpu|cuda] [--json]
 //! hgca-demo harness  [--context N] [--steps S]        rules x workloads table
 //! hgca-demo sweep    [--context N] [--steps S] [--out FILE.svg]
@@ -142,9 +142,9 @@ fn parse_recovery(s: &str) -> std::result::Result<Rule, String> {
             .map(|p| Rule::BoundsShare(p / 100.0))
             .ok_or(format!("--recovery {s}: a percentage 0..100"));
     }
-    s.parse::<Recovery>()
-        .map(Rule::Fixed)
-        .map_err(|_| format!("--recovery {s}: expected frozen, rescore:R, bounds:K or bounds:P%"))
+    s.parse::<Recovery>().map(Rule::Fixed).map_err(|_| {
+        format!("--recovery {s}: expected frozen, rescore:R, bounds:K, bounds:P% or mass:P[:S]")
+    })
 }
 
 fn shape() -> AttnShape {
@@ -444,6 +444,7 @@ fn harness(a: &Args) -> Result<()> {
             Rule::Fixed(Recovery::Rescore { every: 16 }),
             Rule::Fixed(Recovery::BlockBounds { top: 32 }),
             Rule::BoundsShare(0.10),
+            Rule::Fixed(HybridConfig::default().recovery),
         ] {
             let cfg = config(a, rule, a.window_ratio, a.beta);
             let b = Args { shift, ..a.clone() };

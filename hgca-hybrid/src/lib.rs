@@ -12,6 +12,7 @@
 mod batch;
 mod engine;
 mod full;
+mod mass;
 pub mod planner;
 pub mod synthetic;
 

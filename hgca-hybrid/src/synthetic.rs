@@ -34,6 +34,33 @@ pub struct SynthSpec {
     pub needle_logit: f32,
     /// Decode step after which queries move to an old topic (`None`: never).
     pub shift_at: Option<usize>,
+    /// Scattered needles, the harder shift: with `Some`, the queries after
+    /// `shift_at` ask for these tokens alone instead of an old topic.
+    pub scattered: Option<Scattered>,
+}
+
+/// Old tokens scattered one per `stride` positions (at `stride / 3`,
+/// `stride / 3 + stride`, ...), their keys on one shared direction: after
+/// the shift nearly all the attention mass is on them, spread over as many
+/// store blocks as there are needles, none of which the MAW favoured.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scattered {
+    /// How many.
+    pub count: usize,
+    /// Positions between two of them.
+    pub stride: usize,
+    /// Their logit when asked for.
+    pub logit: f32,
+}
+
+impl Scattered {
+    /// Whether position `j` holds one of them.
+    pub fn holds(&self, j: usize) -> bool {
+        let first = self.stride / 3;
+        j >= first
+            && (j - first).is_multiple_of(self.stride)
+            && (j - first) / self.stride < self.count
+    }
 }
 
 impl Default for SynthSpec {
@@ -46,6 +73,7 @@ impl Default for SynthSpec {
             sink_logit: 8.0,
             needle_logit: 10.0,
             shift_at: None,
+            scattered: None,
         }
     }
 }
@@ -59,6 +87,7 @@ pub struct Synth {
     sink_dir: Vec<f32>,
     topics: Vec<Vec<f32>>,
     needle_dir: Vec<f32>,
+    scatter_dir: Vec<f32>,
     pos: usize,
     step: usize,
     old_topic: usize,
@@ -94,6 +123,9 @@ impl Synth {
         let d = shape.head_dim();
         let sink_dir = unit(&mut rng, d);
         let needle_dir = unit(&mut rng, d);
+        // From its own stream: the workloads without scattered needles are
+        // the ones they were before these existed.
+        let scatter_dir = unit(&mut (seed ^ 0x5CA7_7E12), d);
         Self {
             shape,
             spec,
@@ -101,6 +133,7 @@ impl Synth {
             sink_dir,
             topics: Vec::new(),
             needle_dir,
+            scatter_dir,
             pos: 0,
             step: 0,
             old_topic: 0,
@@ -128,9 +161,12 @@ impl Synth {
             let topic = self.topic(seg).to_vec();
             let is_needle = self.spec.needle_every > 0
                 && j % self.spec.needle_every == self.spec.needle_every / 2;
+            let scattered = self.spec.scattered.filter(|s| s.holds(j));
             for _ in 0..hk {
                 let (dir, logit) = if j < self.spec.sinks {
                     (&self.sink_dir, self.spec.sink_logit)
+                } else if let Some(s) = scattered {
+                    (&self.scatter_dir, s.logit)
                 } else if is_needle {
                     (&self.needle_dir, self.spec.needle_logit)
                 } else {
@@ -168,6 +204,15 @@ impl Synth {
         let ask_needle = self.step % 16 == 7;
         let mut q = Vec::with_capacity(self.shape.q_len());
         let s = (d as f32).sqrt();
+        if shifted && self.spec.scattered.is_some() {
+            for _ in 0..self.shape.q_heads() {
+                for &u in &self.scatter_dir {
+                    q.push(s * u + 0.3 * gauss(&mut self.rng));
+                }
+            }
+            self.step += 1;
+            return q;
+        }
         for _ in 0..self.shape.q_heads() {
             for ((&t, &sk), &nd) in topic.iter().zip(&self.sink_dir).zip(&self.needle_dir) {
                 let mut x = s * (t + 0.6 * sk);

@@ -1,7 +1,7 @@
 //! The hybrid layer against full attention and the f64 reference.
 
 use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
-use hgca_kernels::{AttnShape, DType, Error, bf16, f16};
+use hgca_kernels::{AttnShape, DType, Error, MassTarget, bf16, f16};
 use hgca_testkit::{KvLog, Rng, Tolerance};
 use proptest::prelude::*;
 
@@ -52,6 +52,29 @@ proptest! {
         let worst = run_both(shape, cfg, &chunks, seed);
         prop_assert!(worst < 2e-5, "max |hybrid - full| = {worst}");
     }
+
+    /// The mass selector with target 1 leaves out only entries of zero
+    /// estimated weight (none, on these inputs): hybrid is full attention,
+    /// with the sinks at their default (4), so the selection is the
+    /// selector's own.
+    #[test]
+    fn mass_target_one_equals_full(
+        kv in 1usize..3, g in 1usize..4, d in prop::sample::select(vec![1usize, 8, 17, 64]),
+        block_pow in 0u32..5, blocks in 1usize..5,
+        chunks in prop::collection::vec(prop::sample::select(vec![1usize, 1, 1, 3, 20, 70]), 1..12),
+        seed in any::<u64>(),
+    ) {
+        let shape = AttnShape::new(kv * g, kv, d).unwrap();
+        let block = 1 << block_pow;
+        let cfg = HybridConfig {
+            window: block * blocks,
+            block,
+            recovery: Recovery::Mass(MassTarget::new(1.0, 1.0).unwrap()),
+            ..HybridConfig::default()
+        };
+        let worst = run_both(shape, cfg, &chunks, seed);
+        prop_assert!(worst < 2e-5, "max |hybrid - full| = {worst}");
+    }
 }
 
 /// A decode step with a partial selection is exact attention over what it
@@ -67,6 +90,9 @@ fn decode_is_exact_attention_over_the_selected_union() {
         Recovery::Frozen,
         Recovery::Rescore { every: 4 },
         Recovery::BlockBounds { top: 2 },
+        // Random tokens attend flatly: a lower target and no dense fallback
+        // keep the selections partial.
+        Recovery::Mass(MassTarget::new(0.6, 1.0).unwrap()),
     ] {
         let cfg = HybridConfig {
             window: 64,
@@ -174,6 +200,24 @@ fn bad_config_and_input_are_typed_errors() {
             Box::new(zero("refresh queries")),
         ),
         (
+            with(&|c| {
+                c.recovery = Recovery::Mass(MassTarget {
+                    target: f32::NAN,
+                    max_share: 0.5,
+                })
+            }),
+            Box::new(param("mass target")),
+        ),
+        (
+            with(&|c| {
+                c.recovery = Recovery::Mass(MassTarget {
+                    target: 0.9,
+                    max_share: 0.0,
+                })
+            }),
+            Box::new(param("max page share")),
+        ),
+        (
             with(&|c| c.beta_per_head = Some(vec![1.0])),
             Box::new(|e: &Error| {
                 matches!(
@@ -199,6 +243,17 @@ fn bad_config_and_input_are_typed_errors() {
         Recovery::Rescore { every: 8 }
     );
     assert_eq!("frozen".parse::<Recovery>().unwrap(), Recovery::Frozen);
+    assert_eq!(
+        "mass:0.9:0.25".parse::<Recovery>().unwrap(),
+        Recovery::Mass(MassTarget::new(0.9, 0.25).unwrap())
+    );
+    assert!(matches!(
+        "mass:0".parse::<Recovery>(),
+        Err(Error::Param {
+            what: "mass target",
+            ..
+        })
+    ));
     assert!(matches!(
         "bounds:-1".parse::<Recovery>(),
         Err(Error::Param {
@@ -637,4 +692,113 @@ fn engine_owned_store_runs_the_whole_layer() {
         HybridAttention::<_, _, f32, EnginePages>::with_store(shape, cfg, cpu.clone(), cpu, other),
         Err(Error::ShapeMismatch { .. })
     ));
+}
+
+/// The scattered shift (the measurement): at 16k tokens with a
+/// window of 4096, the attention moves to 48 old tokens, one per 64-token
+/// block of the CPU store, their keys on one direction. The paper's frozen
+/// MAW loses nearly all of it, the top-32 block bounds most of it; the
+/// mass-targeted selector keeps it with a small share of the entries, and
+/// reports an estimate that follows the true recall.
+#[test]
+fn mass_selector_follows_a_scattered_shift() {
+    use hgca_hybrid::synthetic::{Harness, Scattered, StepAccuracy, Synth, SynthSpec};
+    let shape = AttnShape::new(4, 2, 64).unwrap();
+    let context = 16384;
+    let run = |recovery| -> Vec<(StepAccuracy, Option<f32>)> {
+        let cfg = HybridConfig {
+            window: 4096,
+            block: 64,
+            recovery,
+            ..HybridConfig::default()
+        };
+        let cpu = hgca_cpu::CpuBackend::new();
+        let layer =
+            HybridAttention::<_, _, f16>::new(shape, cfg, cpu.clone(), cpu.clone()).unwrap();
+        let spec = SynthSpec {
+            shift_at: Some(6),
+            scattered: Some(Scattered {
+                count: 48,
+                stride: 256,
+                logit: 12.0,
+            }),
+            ..SynthSpec::default()
+        };
+        let mut h = Harness::new(layer, Synth::new(shape, spec, 5), context, cpu).unwrap();
+        (0..10)
+            .map(|_| {
+                let a = h.step().unwrap();
+                (a, h.layer.stats().mass_estimated)
+            })
+            .collect()
+    };
+    // Steps 0..4 before the shift (the context's 2 probes took steps), 4.. after.
+    let shifted = 4..10;
+    let frozen = run(Recovery::Frozen);
+    let bounds = run(Recovery::BlockBounds { top: 32 });
+    let mass = run(Recovery::Mass(MassTarget::new(0.99, 0.5).unwrap()));
+    for t in shifted.clone() {
+        assert!(
+            frozen[t].0.rel_err > 0.5 && frozen[t].0.recall < 0.1,
+            "step {t}: the frozen rule should lose the shifted mass: {:?}",
+            frozen[t].0
+        );
+        let (a, est) = mass[t];
+        assert!(
+            a.rel_err < 0.1 && a.recall > 0.97 && a.selected < 0.05,
+            "step {t}: mass selector {a:?}"
+        );
+        let est = est.expect("the mass selector reports its estimate");
+        assert!(
+            (f64::from(est) - a.recall).abs() < 0.02,
+            "step {t}: estimated mass {est} vs true recall {}",
+            a.recall
+        );
+    }
+    let mean = |r: &[(StepAccuracy, Option<f32>)]| {
+        r[shifted.clone()].iter().map(|x| x.0.rel_err).sum::<f64>() / shifted.len() as f64
+    };
+    assert!(
+        mean(&mass) < 0.02 && mean(&bounds) > 5.0 * mean(&mass),
+        "mean error after the shift: mass {}, bounds {}",
+        mean(&mass),
+        mean(&bounds)
+    );
+    // Before the shift every rule holds the mass.
+    for r in [&frozen, &bounds, &mass] {
+        assert!(r[0].0.recall > 0.98, "{:?}", r[0].0);
+    }
+}
+
+/// A max share below what the target needs sends every head to dense
+/// attention for the step, counted, never silently: the step is then full
+/// attention.
+#[test]
+fn mass_selector_falls_back_to_dense_and_says_so() {
+    let shape = AttnShape::new(4, 2, 16).unwrap();
+    let cfg = HybridConfig {
+        window: 32,
+        block: 8,
+        recovery: Recovery::Mass(MassTarget::new(0.999, 0.01).unwrap()),
+        ..HybridConfig::default()
+    };
+    let mut hy = HybridAttention::<_, _, f32>::cpu(shape, cfg).unwrap();
+    let mut full = FullAttention::<f32>::new(shape, hgca_cpu::CpuBackend::new()).unwrap();
+    let mut rng = Rng::new(9);
+    for n in [200usize, 1, 1, 1] {
+        let q = tokens(&mut rng, n, shape.q_len(), 1.0);
+        let k = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+        let v = tokens(&mut rng, n, shape.kv_token_len(), 1.0);
+        let (mut a, mut b) = (vec![0.0; n * 64], vec![0.0; n * 64]);
+        hy.forward(&q, &k, &v, n, &mut a).unwrap();
+        full.forward(&q, &k, &v, n, &mut b).unwrap();
+        if n == 1 {
+            let st = hy.stats();
+            assert_eq!(st.dense_heads, 2, "{st:?}");
+            assert_eq!(st.selected, 2 * hy.cpu_tokens(), "{st:?}");
+            for (x, y) in a.iter().zip(&b) {
+                assert!((x - y).abs() < 2e-5, "{x} vs {y}");
+            }
+        }
+    }
 }

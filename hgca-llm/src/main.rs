@@ -63,8 +63,8 @@ enum Cmd {
         /// Hybrid: window size as a fraction of the context.
         #[arg(long, default_value_t = 0.25)]
         window_ratio: f64,
-        /// Hybrid: recovery rule (frozen, rescore:N, bounds:N).
-        #[arg(long, default_value = "bounds:32")]
+        /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S]).
+        #[arg(long, default_value = "mass:0.9")]
         recovery: String,
     },
     /// Continue a prompt (greedy unless --temperature) and print the text.
@@ -116,8 +116,11 @@ struct PplArgs {
     #[arg(long, value_delimiter = ',', default_value = "1.0")]
     beta: Vec<f32>,
     /// Hybrid: recovery rule: frozen (the paper), rescore:N (exact
-    /// re-scoring every N steps), bounds:N (Quest-style top N blocks).
-    #[arg(long, default_value = "rescore:16")]
+    /// re-scoring every N steps), bounds:N (Quest-style top N blocks),
+    /// mass:P[:S] (the default: per head, CPU entries until an estimated
+    /// share P of the attention mass, at most a share S of them, 0.5 by
+    /// default, else all).
+    #[arg(long, default_value = "mass:0.9")]
     recovery: String,
     /// Hybrid: eviction block (power of two).
     #[arg(long, default_value_t = 64)]
@@ -181,6 +184,14 @@ fn full_factory(kv: Kv) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention
 struct SelCount {
     selected: u64,
     candidates: u64,
+    /// CPU-side bytes the decode steps read (selected K/V rows, the
+    /// selector's block bounds and int8 rows) and what full attention over
+    /// the same CPU entries reads.
+    bytes_read: u64,
+    bytes_full: u64,
+    /// KV-head steps of the mass selector, and those that fell back to dense.
+    head_steps: u64,
+    dense_heads: u64,
 }
 
 /// A hybrid layer that adds its selection statistics to a shared counter.
@@ -202,9 +213,24 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
         let st = self.inner.stats();
         if n == 1 && !st.full_cpu && st.cpu_tokens > 0 {
             let kvh = self.inner.shape().kv_heads();
+            let d = self.inner.shape().head_dim() as u64;
+            let row = 2 * d * core::mem::size_of::<T>() as u64;
+            let cfg = self.inner.config();
+            let blocks = (st.cpu_tokens.div_ceil(cfg.block) * kvh) as u64;
+            let bounds = match cfg.recovery {
+                Recovery::BlockBounds { .. } | Recovery::Mass(_) => blocks * row,
+                _ => 0,
+            };
             let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
             c.selected += st.selected as u64;
             c.candidates += (st.cpu_tokens * kvh) as u64;
+            c.bytes_read +=
+                st.selected as u64 * row + st.estimated_entries as u64 * (d + 4) + bounds;
+            c.bytes_full += (st.cpu_tokens * kvh) as u64 * row;
+            if st.mass_estimated.is_some() || st.dense_heads > 0 {
+                c.head_steps += kvh as u64;
+                c.dense_heads += st.dense_heads as u64;
+            }
         }
         Ok(())
     }
@@ -216,7 +242,7 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
 fn parse_recovery(s: &str) -> Result<Recovery> {
     s.parse().map_err(|_| Error::Invalid {
         what: "--recovery",
-        msg: format!("`{s}`: expected frozen, rescore:N or bounds:N"),
+        msg: format!("`{s}`: expected frozen, rescore:N, bounds:N or mass:P[:S]"),
     })
 }
 
@@ -365,6 +391,8 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         ppl: f64,
         tps: f64,
         selected: String,
+        bytes: String,
+        dense: String,
     }
     let mut rows: Vec<Row> = Vec::new();
     let mut full_ppl = None;
@@ -425,6 +453,16 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
             } else {
                 "-".into()
             };
+            let bytes = if c.bytes_full > 0 {
+                format!("{:.1}%", 100.0 * c.bytes_read as f64 / c.bytes_full as f64)
+            } else {
+                "-".into()
+            };
+            let dense = if c.head_steps > 0 {
+                format!("{:.1}%", 100.0 * c.dense_heads as f64 / c.head_steps as f64)
+            } else {
+                "-".into()
+            };
             if *kind == AttnKind::Full {
                 full_ppl = Some(report.ppl);
             }
@@ -449,6 +487,8 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                 ppl: report.ppl,
                 tps: report.tokens_per_sec(),
                 selected,
+                bytes,
+                dense,
             });
         }
     }
@@ -465,16 +505,16 @@ fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         a.recovery
     );
     println!(
-        "| attention | window (ratio) | beta | PPL | vs full | CPU entries selected | tok/s |"
+        "| attention | window (ratio) | beta | PPL | vs full | CPU entries selected | CPU bytes read vs full | heads dense | tok/s |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let rel = full_ppl
             .map(|f| format!("{:+.2}%", 100.0 * (r.ppl / f - 1.0)))
             .unwrap_or_else(|| "-".into());
         println!(
-            "| {} | {} | {} | {:.3} | {rel} | {} | {:.1} |",
-            r.kind, r.window, r.beta, r.ppl, r.selected, r.tps
+            "| {} | {} | {} | {:.3} | {rel} | {} | {} | {} | {:.1} |",
+            r.kind, r.window, r.beta, r.ppl, r.selected, r.bytes, r.dense, r.tps
         );
     }
     Ok(())

@@ -1165,7 +1165,7 @@ fn slice_of<'a>(
 #[pymethods]
 impl HybridLayer {
     #[new]
-    #[pyo3(signature = (q_heads, kv_heads, head_dim, *, window = 1024, block = 64, sinks = 4, beta = 1.0, alpha = 0.9, recovery = "bounds", recovery_param = 32, refresh_queries = 1, dtype = "f16", threads = 0))]
+    #[pyo3(signature = (q_heads, kv_heads, head_dim, *, window = 1024, block = 64, sinks = 4, beta = 1.0, alpha = 0.9, recovery = "mass", recovery_param = 32, mass_target = 0.9, mass_max_share = 0.5, refresh_queries = 1, dtype = "f16", threads = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         q_heads: usize,
@@ -1178,6 +1178,8 @@ impl HybridLayer {
         alpha: f32,
         recovery: &str,
         recovery_param: usize,
+        mass_target: f32,
+        mass_max_share: f32,
         refresh_queries: usize,
         dtype: &str,
         threads: usize,
@@ -1191,9 +1193,12 @@ impl HybridLayer {
             "bounds" => Recovery::BlockBounds {
                 top: recovery_param,
             },
+            "mass" => {
+                Recovery::Mass(hgca_kernels::MassTarget::new(mass_target, mass_max_share).py()?)
+            }
             r => {
                 return Err(value_err(format!(
-                    "recovery={r:?}: expected 'frozen', 'rescore' or 'bounds'"
+                    "recovery={r:?}: expected 'frozen', 'rescore', 'bounds' or 'mass'"
                 )));
             }
         };
@@ -1299,6 +1304,8 @@ impl HybridLayer {
         d.set_item("sparse_s", s.sparse.as_secs_f64())?;
         d.set_item("merge_s", s.merge.as_secs_f64())?;
         d.set_item("total_s", s.total.as_secs_f64())?;
+        d.set_item("mass_estimated", s.mass_estimated)?;
+        d.set_item("dense_heads", s.dense_heads)?;
         Ok(d)
     }
 

@@ -463,5 +463,34 @@ def test_bad_input_is_a_clear_error():
     assert len(layer) == 0
 
 
+def test_hybrid_mass_selector():
+    """The default rule is the mass selector: with target 1 it leaves out no
+    entry of nonzero weight (full attention, against numpy), with a low
+    target it attends fewer entries and reports its estimate."""
+    rng = np.random.default_rng(21)
+    qh, hk, d, n = 4, 2, 16, 120
+    k = rng.standard_normal((n, hk, d)).astype(np.float32)
+    v = rng.standard_normal((n, hk, d)).astype(np.float32)
+    exact = hgca.HybridAttention(qh, hk, d, window=32, block=8, dtype="f32", threads=1, mass_target=1.0, mass_max_share=1.0)
+    low = hgca.HybridAttention(qh, hk, d, window=32, block=8, dtype="f32", threads=1, recovery="mass", mass_target=0.5, mass_max_share=1.0)
+    for layer in (exact, low):
+        layer.forward(rng.standard_normal((n, qh, d)).astype(np.float32), k, v)
+    q = (2.0 * rng.standard_normal((qh, d))).astype(np.float32)
+    out = exact.attend(q)
+    for h in range(qh):
+        g = h // (qh // hk)
+        want, _ = ref_attend(q[h], k[:, g], v[:, g], 1.0 / np.sqrt(d))
+        np.testing.assert_allclose(out[h], want, rtol=1e-4, atol=1e-5)
+    st = exact.stats()
+    assert st["selected"] == hk * st["cpu_tokens"] and st["mass_estimated"] > 0.999, st
+    low.attend(q)
+    st = low.stats()
+    assert 0 < st["selected"] < hk * st["cpu_tokens"], st
+    assert 0.5 <= st["mass_estimated"] <= 1.0 and st["dense_heads"] == 0, st
+    assert hgca.HybridAttention(qh, hk, d, recovery="bounds").stats()["mass_estimated"] is None
+    with pytest.raises(ValueError, match="max page share"):
+        hgca.HybridAttention(qh, hk, d, mass_max_share=0.0)
+
+
 def test_version():
     assert hgca.__version__ == "0.1.0"

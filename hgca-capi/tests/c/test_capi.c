@@ -400,15 +400,9 @@ static void test_selection(hgca_cpu *cpu) {
     hgca_page_bounds_free(pb);
 }
 
-/* The hybrid layer, every entry selected (sinks cover everything): full attention, step by step. */
-static void test_hybrid(void) {
-    hgca_hybrid_config cfg;
-    OK(hgca_hybrid_config_default(&cfg));
-    cfg.dtype = HGCA_DTYPE_F32;
-    cfg.window = 16;
-    cfg.block = 4;
-    cfg.sinks = 1000;
-    cfg.threads = 1;
+/* A hybrid layer under `cfg` that attends every entry: full attention, step by step. */
+static void run_hybrid(const hgca_hybrid_config *cfg_in, const char *what) {
+    hgca_hybrid_config cfg = *cfg_in;
     hgca_hybrid *h = NULL;
     OK(hgca_hybrid_new(&shape, &cfg, &h));
     enum { STEPS = 40 };
@@ -441,7 +435,7 @@ static void test_hybrid(void) {
             for (size_t x = 0; x < D; x++) good &= close_to(out[hq * D + x], ro[x] / l, 1e-4);
         }
     }
-    CHECK(good, "hybrid decode loop equals full attention (all entries selected)");
+    CHECK(good, "hybrid decode loop equals full attention (%s)", what);
     size_t len = 0;
     OK(hgca_hybrid_len(h, &len));
     hgca_step_stats st;
@@ -450,7 +444,35 @@ static void test_hybrid(void) {
     OK(hgca_hybrid_stats(h, &st));
     CHECK(len == STEPS && st.cpu_tokens + st.window_tokens == STEPS && st.cpu_tokens > 0,
           "len %zu, cpu %zu, window %zu", len, st.cpu_tokens, st.window_tokens);
+    if (cfg.recovery == HGCA_RECOVERY_MASS) {
+        CHECK(st.mass_estimated > 0.999f && st.mass_estimated <= 1.0f && st.selected == HK * st.cpu_tokens,
+              "mass selector, target 1: estimate %g, %zu of %zu entries", (double)st.mass_estimated, st.selected,
+              HK * st.cpu_tokens);
+    } else {
+        CHECK(isnan(st.mass_estimated), "no mass estimate under another rule: %g", (double)st.mass_estimated);
+    }
     hgca_hybrid_free(h);
+}
+
+static void test_hybrid(void) {
+    hgca_hybrid_config cfg;
+    OK(hgca_hybrid_config_default(&cfg));
+    CHECK(cfg.recovery == HGCA_RECOVERY_MASS && cfg.mass_target > 0.0f && cfg.mass_target <= 1.0f,
+          "the default rule is the mass selector (%u, target %g)", cfg.recovery, (double)cfg.mass_target);
+    cfg.dtype = HGCA_DTYPE_F32;
+    cfg.window = 16;
+    cfg.block = 4;
+    cfg.threads = 1;
+    /* The sinks cover everything, under the frozen rule. */
+    cfg.sinks = 1000;
+    cfg.recovery = HGCA_RECOVERY_FROZEN;
+    run_hybrid(&cfg, "all entries are sinks");
+    /* The mass selector with target 1 leaves out no entry of nonzero weight. */
+    cfg.sinks = 4;
+    cfg.recovery = HGCA_RECOVERY_MASS;
+    cfg.mass_target = 1.0f;
+    cfg.mass_max_share = 1.0f;
+    run_hybrid(&cfg, "mass target 1");
 }
 
 static int has(const char *msg, const char *word) { return strstr(msg, word) != NULL; }
@@ -498,6 +520,12 @@ static void test_bad_input(hgca_cpu *cpu) {
     cfg.beta = NAN;
     hgca_hybrid *h = NULL;
     CHECK(hgca_hybrid_new(&shape, &cfg, &h) == HGCA_PARAM && h == NULL && has(hgca_last_error(), "beta"), "NaN beta: %s", hgca_last_error());
+    OK(hgca_hybrid_config_default(&cfg));
+    cfg.recovery = HGCA_RECOVERY_MASS;
+    cfg.mass_target = 1.5f;
+    CHECK(hgca_hybrid_new(&shape, &cfg, &h) == HGCA_PARAM && h == NULL && has(hgca_last_error(), "mass target"),
+          "mass target 1.5: %s", hgca_last_error());
+    OK(hgca_hybrid_config_default(&cfg));
     float betas[HK] = {NAN, 1.0f}, maw[HK] = {0};
     uint32_t sel[4];
     size_t offs[HK + 1];

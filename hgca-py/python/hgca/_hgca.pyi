@@ -129,8 +129,10 @@ class HybridAttention:
         sinks: int = 4,
         beta: float = 1.0,
         alpha: float = 0.9,
-        recovery: Literal["frozen", "rescore", "bounds"] = "bounds",
+        recovery: Literal["frozen", "rescore", "bounds", "mass"] = "mass",
         recovery_param: int = 32,
+        mass_target: float = 0.9,
+        mass_max_share: float = 0.5,
         refresh_queries: int = 1,
         dtype: Literal["f32", "f16", "bf16"] = "f16",
         threads: int = 0,
@@ -142,5 +144,6 @@ class HybridAttention:
     def attend(self, q: F32) -> F32:
         """One decode query ``q [q_heads, d]`` over every token held; returns ``out [q_heads, d]``."""
     def stats(self) -> dict:
-        """The last step: window_tokens, cpu_tokens, selected, full_cpu, dense_s, sparse_s, merge_s, total_s."""
+        """The last step: window_tokens, cpu_tokens, selected, full_cpu, dense_s, sparse_s, merge_s, total_s,
+        mass_estimated (the mass selector's estimate of the attended share, or None), dense_heads."""
     def __len__(self) -> int: ...

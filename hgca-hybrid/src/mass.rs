@@ -1,0 +1,244 @@
+//! The mass-targeted selector ([`crate::Recovery::Mass`]) of one KV head:
+//! CPU entries are admitted in decreasing estimated weight until the
+//! estimated share of the attention mass they leave out is at most
+//! `1 - target`, so a head with flat attention takes many entries and a
+//! head with sharp attention few, under one setting.
+//!
+//! The estimate has two stages, both cheap next to exact attention:
+//!
+//! 1. **Block bounds** (Quest): per store block, an upper bound of every
+//!    score in it. Blocks whose bounded mass, summed from the smallest,
+//!    stays within a quarter of the budget are dropped unseen: what they
+//!    hold is at most that (the bound is rigorous; the normaliser is an
+//!    estimate).
+//! 2. **An int8 copy of the keys** (one byte per element, one scale per
+//!    row): estimated scores of every entry of the remaining blocks.
+//!
+//! The weights are normalised against the union of the window and the CPU
+//! store: the reference is the union's lse of the previous step, and the
+//! window's share of it then (the window changes by one token a step).
+
+use hgca_cpu::{CpuBackend, INT8_TILE, Int8Keys};
+use hgca_kernels::{KvElem, MassTarget, Result};
+
+/// Log-space histogram of the estimated weights: buckets of
+/// `1 / BUCKETS_PER_NAT` nats below the largest, the last one holding
+/// everything further down.
+const BUCKETS_PER_NAT: f32 = 4.0;
+const BUCKETS: usize = 96;
+
+/// What the selector did for one KV head in one step.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub(crate) struct HeadReport {
+    /// The estimated share of the head's attention mass (window included)
+    /// that the step attends.
+    pub(crate) estimated: f32,
+    /// True when the target needed more than `max_share` of the CPU
+    /// entries and the head took all of them instead.
+    pub(crate) dense: bool,
+    /// Entries whose int8 estimate was computed (the rest were dropped by
+    /// their block bounds).
+    pub(crate) estimated_entries: usize,
+}
+
+/// Reused buffers of one head's selection.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Scratch {
+    q: Vec<f32>,
+    ub: Vec<f32>,
+    blocks: Vec<(f32, u32)>,
+    culled: Vec<bool>,
+    est: Vec<f32>,
+}
+
+/// One KV head's inputs.
+pub(crate) struct Head<'a, T> {
+    /// The group's queries, `[group, d]`.
+    pub(crate) q: &'a [f32],
+    /// Score scale.
+    pub(crate) scale: f32,
+    /// Per query head of the group, the union lse of the previous step.
+    pub(crate) lse_ref: &'a [f32],
+    /// Per query head, the window's lse of the previous step.
+    pub(crate) win_lse: &'a [f32],
+    /// The head's block bounds (`[blocks, 2, d]`, the KV dtype).
+    pub(crate) bounds: &'a [T],
+    /// The int8 copy of the head's CPU keys.
+    pub(crate) keys: &'a Int8Keys,
+    /// Store block size in tokens.
+    pub(crate) block: usize,
+    /// Entries always attended (the first ones).
+    pub(crate) sinks: usize,
+}
+
+/// Selects for one head: `idx` (cleared) gets the admitted entries in
+/// ascending order.
+pub(crate) fn select<T: KvElem>(
+    cpu: &CpuBackend,
+    h: &Head<'_, T>,
+    target: MassTarget,
+    s: &mut Scratch,
+    idx: &mut Vec<u32>,
+) -> Result<HeadReport> {
+    let n = h.keys.len();
+    let (group, bt) = (h.lse_ref.len(), h.block);
+    let d = h.q.len() / group.max(1);
+    idx.clear();
+    let all = |idx: &mut Vec<u32>| idx.extend(0..n as u32);
+    if n == 0 {
+        return Ok(HeadReport {
+            estimated: 1.0,
+            ..HeadReport::default()
+        });
+    }
+    // The window's share of the previous union: the smallest over the
+    // group, so that the normaliser is never overestimated (an
+    // underestimate only admits more).
+    let win = h
+        .win_lse
+        .iter()
+        .zip(h.lse_ref)
+        .map(|(&w, &u)| (w - u).exp())
+        .fold(f32::INFINITY, f32::min);
+    if !(win.is_finite() && win > 0.0) || h.lse_ref.iter().any(|x| !x.is_finite()) {
+        // No usable reference (no previous step, an empty window): dense.
+        all(idx);
+        return Ok(HeadReport {
+            estimated: 1.0,
+            dense: true,
+            estimated_entries: 0,
+        });
+    }
+    let budget = 1.0 - target.target;
+    // Stage 1: block bounds, as log weights against the reference.
+    let nb = n.div_ceil(bt);
+    s.ub.resize(nb * group, 0.0);
+    cpu.block_upper_bounds(h.q, group, d, &h.bounds[..nb * 2 * d], &mut s.ub)?;
+    s.blocks.clear();
+    s.blocks.extend((0..nb).map(|b| {
+        let u = (0..group)
+            .map(|i| s.ub[b * group + i] * h.scale - h.lse_ref[i])
+            .fold(f32::NEG_INFINITY, f32::max);
+        (u, b as u32)
+    }));
+    s.blocks.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+    s.culled.clear();
+    s.culled.resize(nb, false);
+    let mut culled_mass = 0.0f64;
+    for &(u, b) in &s.blocks {
+        let b = b as usize;
+        if b * bt < h.sinks {
+            // The sinks' blocks are estimated (the sinks are taken anyway).
+            continue;
+        }
+        let cnt = (n.min((b + 1) * bt) - b * bt) as f64;
+        let m = cnt * f64::from(u).exp() / f64::from(win);
+        if culled_mass + m > f64::from(budget) / 4.0 {
+            break;
+        }
+        culled_mass += m;
+        s.culled[b] = true;
+    }
+    // Stage 2: int8 estimates of the entries of the other blocks, in runs
+    // of consecutive kept blocks (a run starts at a tile boundary: a few
+    // entries of a dropped block may be estimated too, which only adds).
+    s.q.clear();
+    s.q.extend(h.q.iter().map(|&x| x * h.scale));
+    s.est.clear();
+    s.est.resize(n, f32::NEG_INFINITY);
+    let mut estimated_entries = 0;
+    let mut b = 0;
+    while b < nb {
+        if s.culled[b] {
+            b += 1;
+            continue;
+        }
+        let mut e = b + 1;
+        while e < nb && !s.culled[e] {
+            e += 1;
+        }
+        let start = (b * bt) / INT8_TILE * INT8_TILE;
+        let end = (e * bt).min(n);
+        let (codes, scales) = h.keys.rows(start..end);
+        cpu.int8_max_scores(&s.q, h.lse_ref, d, codes, scales, &mut s.est[start..end])?;
+        estimated_entries += end - start;
+        b = e;
+    }
+    // The normaliser (relative to the reference): the window's share plus
+    // the estimated CPU mass; the sinks are admitted whatever they weigh.
+    let sinks = h.sinks.min(n);
+    let top = s.est[sinks..]
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite())
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut hist = [0.0f64; BUCKETS];
+    let mut cpu_mass = 0.0f64;
+    for &x in &s.est[sinks..] {
+        // +inf (a key the int8 copy cannot hold) passes any threshold below.
+        if x.is_finite() {
+            let w = f64::from(x - top).exp();
+            let k = (((top - x) * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1);
+            hist[k] += w;
+            cpu_mass += w;
+        }
+    }
+    let sink_mass: f64 = s.est[..sinks]
+        .iter()
+        .filter(|x| x.is_finite())
+        .map(|&x| f64::from(x - top).exp())
+        .sum();
+    // In units of exp(top): the window's share and the CPU's estimate.
+    let scale_top = f64::from(top).exp();
+    let z = if top.is_finite() {
+        f64::from(win) / scale_top + cpu_mass + sink_mass
+    } else {
+        // Nothing estimated outside the sinks: the window holds the rest.
+        f64::from(win)
+    };
+    let culled_rel = if top.is_finite() {
+        culled_mass * f64::from(win) / (z * scale_top)
+    } else {
+        culled_mass * f64::from(win) / z
+    };
+    let allowed = (f64::from(budget) - culled_rel).max(0.0) * z;
+    // The lowest buckets whose mass fits the budget are left out.
+    let mut left = 0.0f64;
+    let mut threshold = f32::INFINITY;
+    for k in (0..BUCKETS).rev() {
+        if left + hist[k] > allowed {
+            threshold = top - (k + 1) as f32 / BUCKETS_PER_NAT;
+            if k == BUCKETS - 1 {
+                threshold = f32::NEG_INFINITY;
+            }
+            break;
+        }
+        left += hist[k];
+    }
+    if !top.is_finite() || threshold == f32::INFINITY {
+        // Nothing finite to admit; entries estimated +inf still pass.
+        threshold = f32::MAX;
+    }
+    idx.extend(0..sinks as u32);
+    cpu.indices_above(&s.est[sinks..], threshold, sinks as u32, idx);
+    let limit = (f64::from(target.max_share) * n as f64).ceil() as usize;
+    if idx.len() > limit.min(n) {
+        idx.clear();
+        all(idx);
+        return Ok(HeadReport {
+            estimated: 1.0,
+            dense: true,
+            estimated_entries,
+        });
+    }
+    let omitted = if z > 0.0 {
+        (left / z) + culled_rel
+    } else {
+        0.0
+    };
+    Ok(HeadReport {
+        estimated: (1.0 - omitted).clamp(0.0, 1.0) as f32,
+        dense: false,
+        estimated_entries,
+    })
+}
