@@ -10,4 +10,4 @@ echo "-- generate (full attention)"
 target/release/hgca-llm generate --prompt "It is a truth universally acknowledged, that" --max-tokens 32
 echo "-- perplexity, 2048-token context, last 256 tokens decoded one by one: full vs hybrid (window 0.25)"
 target/release/hgca-llm ppl --tokens 2048 --context 2048 --score-from 1792 --decode \
-  --attn full,hybrid --window-ratio 0.25 --beta 1,0.1 --recovery rescore:16
+  --attn full,hybrid --window-ratio 0.25 --recovery mass:0.9

@@ -8,7 +8,8 @@ use hgca_kernels::{
     SparseAttention, check_len_of,
 };
 
-use crate::engine::{Seq, Shared};
+use crate::layer::Shared;
+use crate::seq::Seq;
 use crate::{HybridConfig, StepStats};
 
 /// A sequence of a [`HybridBatch`]. Ids are not reused: the id of a

@@ -10,15 +10,21 @@
 #![forbid(unsafe_code)]
 
 mod batch;
-mod engine;
+mod config;
 mod full;
+mod layer;
 mod mass;
 pub mod planner;
+mod select;
+mod seq;
+mod stats;
 pub mod synthetic;
 
 pub use batch::{HybridBatch, SeqId};
-pub use engine::{HybridAttention, HybridConfig, Recovery, StepStats};
+pub use config::{HybridConfig, Recovery};
 pub use full::FullAttention;
+pub use layer::HybridAttention;
+pub use stats::StepStats;
 
 use hgca_kernels::{AttnShape, Result, check_len_of};
 

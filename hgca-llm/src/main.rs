@@ -17,6 +17,8 @@ use hgca_llm::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod needle;
+
 #[derive(Parser, Debug)]
 #[command(version, about = "A real model end to end through hgca's attention")]
 struct Cli {
@@ -67,6 +69,9 @@ enum Cmd {
         #[arg(long, default_value = "mass:0.9")]
         recovery: String,
     },
+    /// Retrieval of a code hidden in a haystack of real text, full
+    /// attention against the hybrid layer, answer by answer.
+    Needle(needle::NeedleArgs),
     /// Continue a prompt (greedy unless --temperature) and print the text.
     Generate {
         /// The prompt.
@@ -712,6 +717,7 @@ fn main() {
     }
     let r = match &cli.cmd {
         Cmd::Ppl(a) => cmd_ppl(&cli, a),
+        Cmd::Needle(a) => needle::cmd_needle(&cli, a),
         Cmd::Speed {
             text,
             context,
