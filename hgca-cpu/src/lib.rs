@@ -15,12 +15,14 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod backend;
+mod ffn;
 pub mod isa;
 mod kernel;
 mod select;
 mod window;
 
 pub use backend::{BatchTokens, CpuBackend, Par, Shard};
+pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
 pub use select::{INT8_TILE, Int8Keys, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

@@ -16,24 +16,8 @@ use proptest::prelude::*;
 #[path = "conformance/paged.rs"]
 mod paged;
 
-/// The backend for `kind`, or `None` (skip, with the reason printed) when
-/// the CPU lacks it. `HGCA_REQUIRE_ISAS=v3,v4` turns the skip into a failure.
-fn backend(kind: IsaKind, par: Par) -> Option<CpuBackend> {
-    match CpuBackend::new().with_isa(kind) {
-        Ok(b) => Some(b.with_par(par).expect("thread pool")),
-        Err(e) => {
-            let required = std::env::var("HGCA_REQUIRE_ISAS").unwrap_or_default();
-            if required.split(',').any(|r| r.trim() == kind.name()) {
-                panic!(
-                    "ISA {} is required (HGCA_REQUIRE_ISAS) but unavailable: {e}",
-                    kind.name()
-                );
-            }
-            eprintln!("SKIP: ISA {} not available here: {e}", kind.name());
-            None
-        }
-    }
-}
+mod common;
+use common::backend;
 
 fn selection(rng: &mut Rng, kv_heads: usize, tokens: usize) -> Selection {
     let sets = random_sets(rng, kv_heads, tokens);
@@ -755,13 +739,7 @@ macro_rules! isa_suite {
     };
 }
 
-isa_suite!(scalar, IsaKind::Scalar);
-#[cfg(target_arch = "x86_64")]
-isa_suite!(v3, IsaKind::V3);
-#[cfg(target_arch = "x86_64")]
-isa_suite!(v4, IsaKind::V4);
-#[cfg(target_arch = "aarch64")]
-isa_suite!(neon, IsaKind::Neon);
+every_isa!(isa_suite);
 
 /// Under qemu the NEON path must be the one taken (on an ARMv8.0 CPU model
 /// without FEAT_FP16: f16 widens with base AdvSIMD's FCVTL).

@@ -28,6 +28,7 @@
 pub mod backend;
 mod dtype;
 mod error;
+pub mod ffn;
 mod kv;
 mod lse;
 pub mod maw;
@@ -43,6 +44,7 @@ pub use backend::{
 };
 pub use dtype::{DType, KvElem};
 pub use error::{Error, Result, check_len, check_len_of, weights_not_requested};
+pub use ffn::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, check_neurons};
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};

@@ -195,6 +195,48 @@ pub fn merge_rows(parts: &[(&[f64], f64)], d: usize) -> (Vec<f64>, f64) {
     (out.iter().map(|s| s.get() / w).collect(), m + w.ln())
 }
 
+/// The reference of one token of a gated FFN over the neurons `active`:
+/// `out = Σ_{i ∈ active} act(g_i) u_i down_t[i]` with `g_i = gate[i]·x`,
+/// `u_i = up[i]·x` (rows of `d` values, dequantised by the caller), in
+/// f64; and per output element `j` the magnitude an f32 computation's
+/// error is proportional to, `Σ_i (|a_i| + e_i) |down_t[i][j]|`, where
+/// `a_i = act(g_i) u_i` and `e_i = (1.1 G_i (|u_i| + U_i) + |act(g_i)|
+/// U_i) / sqrt(d)` is the scale of the effect of rounding in the two dot
+/// products (`G_i`, `U_i`: `Σ_k |w_ik x_k|` of the gate and up rows; the
+/// slope of SiLU and ReLU is at most 1.1; a blocked f32 sum's error grows
+/// like `sqrt(d)` eps times the absolute sum). A tolerance `rel * mag`
+/// with `rel` a few hundred eps holds for f32 kernels with room to spare.
+/// `act` maps `g` to the activation (`silu` or `relu` in f64).
+pub fn ffn_row(
+    act: impl Fn(f64) -> f64,
+    d: usize,
+    gate: &[f32],
+    up: &[f32],
+    down_t: &[f32],
+    x: &[f32],
+    active: &[usize],
+) -> (Vec<f64>, Vec<f64>) {
+    let mut out = vec![0.0f64; d];
+    let mut mag = vec![0.0f64; d];
+    for &i in active {
+        fn row(m: &[f32], i: usize, d: usize) -> &[f32] {
+            &m[i * d..(i + 1) * d]
+        }
+        let (gr, ur, dr) = (row(gate, i, d), row(up, i, d), row(down_t, i, d));
+        let (g, u) = (dot(gr, x), dot(ur, x));
+        let a = act(g) * u;
+        let (ga, ua) = (dot_abs(gr, x), dot_abs(ur, x));
+        // The dot products' rounding grows like sqrt(d) eps times their
+        // absolute sums (a blocked f32 sum's typical error), not d eps.
+        let err = (1.1 * ga * (u.abs() + ua) + act(g).abs() * ua) / (d as f64).sqrt().max(1.0);
+        for ((o, m), &w) in out.iter_mut().zip(&mut mag).zip(dr) {
+            *o += a * w as f64;
+            *m += (a.abs() + err) * (w as f64).abs();
+        }
+    }
+    (out, mag)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+pub mod ffn;
 mod seq;
 pub mod stress;
 

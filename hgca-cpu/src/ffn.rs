@@ -1,0 +1,226 @@
+//! The sparse FFN kernel (PowerInfer's CPU side): a gated FFN over an
+//! active neuron set, given as a list or found by a threshold on the gate
+//! (CATS), weights neuron-major in floats or GGUF blocks dequantised on the
+//! fly (the contract: [`hgca_kernels::ffn`]).
+//!
+//! The neurons are split into one part per thread; each part reads its
+//! neurons' rows once for every token of the call (a prompt chunk shares
+//! them) and accumulates into its own output, and the parts are summed in
+//! a fixed order, so a call's result does not depend on scheduling.
+
+use hgca_kernels::{
+    Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, check_len_of, check_neurons,
+};
+
+use crate::CpuBackend;
+use crate::isa::dispatch;
+
+/// What a [`CpuBackend::sparse_ffn`] call computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FfnStats {
+    /// (token, neuron) pairs computed (their up and down rows applied).
+    pub active: usize,
+    /// Weight rows read per token, summed over the tokens of the call
+    /// (a neuron's gate, up and down rows count 3; with a threshold, every
+    /// neuron's gate row counts, and the up and down rows of those that
+    /// pass). Rows shared by the tokens of a chunk are read once from
+    /// memory; this counts what a token-by-token run would read.
+    pub rows: usize,
+}
+
+/// Values dequantised at a time (one GGUF block; 32 floats).
+const CHUNK: usize = 32;
+
+/// `Σ_k row[k] x[k]` with `row` dequantised on the fly, in 16 lanes.
+#[inline(always)]
+fn dot_row<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
+    let per = CHUNK / W::VALUES;
+    let mut acc = [0.0f32; 16];
+    let mut buf = [0.0f32; CHUNK];
+    let full = row.len() / per;
+    for (c, xs) in row.chunks_exact(per).zip(x.chunks_exact(CHUNK)) {
+        W::dequant_slice(c, &mut buf);
+        for h in 0..2 {
+            for l in 0..16 {
+                acc[l] = buf[h * 16 + l].mul_add(xs[h * 16 + l], acc[l]);
+            }
+        }
+    }
+    let mut s = acc.iter().sum::<f32>();
+    // A tail of floats (the block formats have none: d_model is a multiple of 32).
+    let mut one = [0.0f32; CHUNK];
+    for (e, &xv) in row[full * per..].iter().zip(&x[full * CHUNK..]) {
+        e.dequant(&mut one[..W::VALUES]);
+        s = one[0].mul_add(xv, s);
+    }
+    s
+}
+
+/// `y += a * row` with `row` dequantised on the fly.
+#[inline(always)]
+fn axpy_row<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
+    let per = CHUNK / W::VALUES;
+    let mut buf = [0.0f32; CHUNK];
+    let full = row.len() / per;
+    for (c, ys) in row.chunks_exact(per).zip(y.chunks_exact_mut(CHUNK)) {
+        W::dequant_slice(c, &mut buf);
+        for (yv, &b) in ys.iter_mut().zip(&buf) {
+            *yv = b.mul_add(a, *yv);
+        }
+    }
+    let mut one = [0.0f32; CHUNK];
+    for (e, yv) in row[full * per..].iter().zip(&mut y[full * CHUNK..]) {
+        e.dequant(&mut one[..W::VALUES]);
+        *yv = one[0].mul_add(a, *yv);
+    }
+}
+
+#[inline(always)]
+fn activate(act: FfnAct, g: f32) -> f32 {
+    match act {
+        FfnAct::Silu => g / (1.0 + (-g).exp()),
+        FfnAct::Relu => g.max(0.0),
+    }
+}
+
+/// One part's neurons (`ids`, or the range `ids_range` when `ids` is
+/// `None`) over the `n` tokens of `x`, added into `y` (`[n, d]`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn ffn_part<W: WeightElem>(
+    act: FfnAct,
+    w: &FfnWeights<'_, W>,
+    x: &[f32],
+    n: usize,
+    ids: &mut dyn Iterator<Item = usize>,
+    threshold: Option<f32>,
+    y: &mut [f32],
+) -> FfnStats {
+    let (d, r) = (w.d_model, w.row_len());
+    let mut st = FfnStats::default();
+    for i in ids {
+        let (gate, up, down) = (
+            &w.gate[i * r..(i + 1) * r],
+            &w.up[i * r..(i + 1) * r],
+            &w.down_t[i * r..(i + 1) * r],
+        );
+        for t in 0..n {
+            let xt = &x[t * d..(t + 1) * d];
+            let a = activate(act, dot_row(gate, xt));
+            st.rows += 1;
+            if threshold.is_some_and(|th| a.abs() <= th) {
+                continue;
+            }
+            let c = a * dot_row(up, xt);
+            axpy_row(down, c, &mut y[t * d..(t + 1) * d]);
+            st.rows += 2;
+            st.active += 1;
+        }
+    }
+    st
+}
+
+impl CpuBackend {
+    /// The gated FFN of `n` tokens (`x`: `[n, d_model]`) over the active
+    /// neurons, written to `out` (`[n, d_model]`, overwritten):
+    /// `out_t = Σ_{i active} act(g_i) u_i down_t[i]` (see
+    /// [`hgca_kernels::ffn`]). With [`Neurons::List`] every token uses the
+    /// list; with [`Neurons::Threshold`] each token keeps the neurons with
+    /// `|act(g_i)| > t` (their up and down rows are read; the others' not).
+    /// Accumulation is f32 with fused multiply-adds; the parts of the
+    /// threads are summed in a fixed order.
+    ///
+    /// ```
+    /// use hgca_cpu::CpuBackend;
+    /// use hgca_kernels::{FfnAct, FfnWeights, Neurons};
+    /// // d_model 2, 3 neurons; neuron 1 alone: silu(1) * 2 * [1, -1]
+    /// let gate = [0.0, 0.0, 1.0, 0.0, 0.0, 0.0];
+    /// let up = [0.0, 0.0, 0.0, 2.0, 0.0, 0.0];
+    /// let down_t = [5.0, 5.0, 1.0, -1.0, 5.0, 5.0];
+    /// let w = FfnWeights::new(2, 3, &gate, &up, &down_t)?;
+    /// let mut out = [0.0f32; 2];
+    /// let st = CpuBackend::new().sparse_ffn(FfnAct::Silu, &w, &[1.0, 1.0], 1, Neurons::List(&[1]), &mut out)?;
+    /// let a = 2.0 / (1.0 + (-1.0f32).exp());
+    /// assert!((out[0] - a).abs() < 1e-6 && (out[1] + a).abs() < 1e-6);
+    /// assert_eq!((st.active, st.rows), (1, 3));
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Length`] for `x` or `out`; [`Error::Index`] for a neuron
+    /// `>= n_ff`, [`Error::Param`] for a repeated neuron or a threshold
+    /// that is NaN, infinite or negative. Nothing is written then.
+    pub fn sparse_ffn<W: WeightElem>(
+        &self,
+        act: FfnAct,
+        w: &FfnWeights<'_, W>,
+        x: &[f32],
+        n: usize,
+        neurons: Neurons<'_>,
+        out: &mut [f32],
+    ) -> Result<FfnStats> {
+        let d = w.d_model;
+        check_len_of("x", &[n, d], x.len())?;
+        check_len_of("out", &[n, d], out.len())?;
+        let (list, threshold) = match neurons {
+            Neurons::List(l) => {
+                check_neurons(l, w.n_ff)?;
+                (Some(l), None)
+            }
+            Neurons::Threshold(t) => {
+                if !(t.is_finite() && t >= 0.0) {
+                    return Err(Error::Param {
+                        what: "ffn threshold",
+                        value: f64::from(t),
+                        expected: "finite and >= 0",
+                    });
+                }
+                (None, Some(t))
+            }
+        };
+        let count = list.map_or(w.n_ff, <[u32]>::len);
+        out.fill(0.0);
+        // One part per thread, none smaller than 16 neurons.
+        let parts = self.threads().min(count.div_ceil(16)).max(1);
+        let per = count.div_ceil(parts);
+        let mut acc: Vec<(Vec<f32>, FfnStats)> = (0..parts)
+            .map(|p| {
+                let y = if p == 0 { Vec::new() } else { vec![0.0; n * d] };
+                (y, FfnStats::default())
+            })
+            .collect();
+        let isa = self.isa();
+        let first = std::sync::Mutex::new(&mut *out);
+        self.for_chunks(&mut acc, 1, |p, part| {
+            let (y, st) = &mut part[0];
+            let range = (p * per).min(count)..((p + 1) * per).min(count);
+            let run = |y: &mut [f32]| {
+                dispatch!(isa, _s => {
+                    let mut ids: Box<dyn Iterator<Item = usize>> = match list {
+                        Some(l) => Box::new(l[range.clone()].iter().map(|&i| i as usize)),
+                        None => Box::new(range.clone()),
+                    };
+                    ffn_part(act, w, x, n, &mut *ids, threshold, y)
+                })
+            };
+            *st = if p == 0 {
+                // The first part writes the output itself.
+                let mut o = first.lock().unwrap_or_else(|e| e.into_inner());
+                run(&mut o[..])
+            } else {
+                run(y)
+            };
+        });
+        let mut total = FfnStats::default();
+        for (i, (y, st)) in acc.iter().enumerate() {
+            if i > 0 {
+                for (o, &v) in out.iter_mut().zip(y) {
+                    *o += v;
+                }
+            }
+            total.active += st.active;
+            total.rows += st.rows;
+        }
+        Ok(total)
+    }
+}

@@ -1,0 +1,268 @@
+//! The sparse FFN kernel against hgca-ref (f64), for every ISA the machine
+//! has and every weight format: proptest over shapes, active sets, tokens
+//! and both activations, a table of edge shapes, the partition identity
+//! (hot + cold = all), and typed errors for bad input.
+
+use hgca_cpu::{CpuBackend, Par};
+use hgca_kernels::{BlockQ4_0, BlockQ8_0, Error, FfnAct, Neurons, bf16, f16};
+use hgca_testkit::Rng;
+use hgca_testkit::ffn::{FfnProblem, TestWeight};
+use proptest::prelude::*;
+
+mod common;
+use common::backend;
+
+/// A random subset of `0..n_ff` (about `share` of it), in random order.
+fn subset(rng: &mut Rng, n_ff: usize, share: f64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n_ff as u32)
+        .filter(|_| (rng.next_u64() % 1000) as f64 / 1000.0 < share)
+        .collect();
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.below(i + 1));
+    }
+    v
+}
+
+/// One case: a list (`threshold: None`) or a threshold chosen away from
+/// every activation (f32 and f64 then agree on each comparison).
+fn case<W: TestWeight>(
+    b: &CpuBackend,
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    threshold: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let p = FfnProblem::<W>::random(d, n_ff, n, seed);
+    let w = p.weights().map_err(|e| e.to_string())?;
+    let mut rng = Rng::new(seed ^ 77);
+    let mut out = vec![f32::NAN; n * d];
+    let (sets, st) = if threshold {
+        let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(act, t)).collect();
+        let mut all: Vec<f64> = acts.iter().flatten().map(|a| a.abs()).collect();
+        all.sort_by(f64::total_cmp);
+        // The midpoint of the widest gap near the middle: no activation is close to it.
+        let mut t = 0.0;
+        let mut best = -1.0;
+        let lo = all.len() / 4;
+        let hi = (3 * all.len() / 4)
+            .max(lo + 1)
+            .min(all.len().saturating_sub(1));
+        for k in lo..hi {
+            let gap = all[k + 1] - all[k];
+            if gap > best {
+                (best, t) = (gap, (all[k] + all[k + 1]) / 2.0);
+            }
+        }
+        if all.len() < 2 {
+            t = 0.5;
+        }
+        let sets: Vec<Vec<usize>> = acts
+            .iter()
+            .map(|a| (0..n_ff).filter(|&i| a[i].abs() > t).collect())
+            .collect();
+        let st = b
+            .sparse_ffn(act, &w, &p.x, n, Neurons::Threshold(t as f32), &mut out)
+            .map_err(|e| e.to_string())?;
+        (sets, st)
+    } else {
+        let list = subset(&mut rng, n_ff, 0.3);
+        let st = b
+            .sparse_ffn(act, &w, &p.x, n, Neurons::List(&list), &mut out)
+            .map_err(|e| e.to_string())?;
+        let set: Vec<usize> = list.iter().map(|&i| i as usize).collect();
+        (vec![set; n], st)
+    };
+    let active: usize = sets.iter().map(Vec::len).sum();
+    if st.active != active {
+        return Err(format!(
+            "{} active pairs reported, {active} expected",
+            st.active
+        ));
+    }
+    let gate_rows = if threshold { n * n_ff } else { active };
+    if st.rows != gate_rows + 2 * active {
+        return Err(format!(
+            "{} rows reported, {} expected",
+            st.rows,
+            gate_rows + 2 * active
+        ));
+    }
+    p.check(act, &sets, &out)
+}
+
+/// Every format at once (block formats at a width that is a multiple of 32).
+fn all_formats(
+    b: &CpuBackend,
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    thr: bool,
+    seed: u64,
+) -> Result<(), String> {
+    case::<f32>(b, act, d, n_ff, n, thr, seed)?;
+    case::<f16>(b, act, d, n_ff, n, thr, seed)?;
+    case::<bf16>(b, act, d, n_ff, n, thr, seed)?;
+    let d32 = d.div_ceil(32).max(1) * 32;
+    case::<BlockQ8_0>(b, act, d32, n_ff, n, thr, seed)?;
+    case::<BlockQ4_0>(b, act, d32, n_ff, n, thr, seed)
+}
+
+/// (d_model, n_ff, tokens): widths around the 16 lanes and the 32-value
+/// chunks, one neuron, many neurons over the thread split.
+const EDGE: &[(usize, usize, usize)] = &[
+    (1, 1, 1),
+    (15, 3, 2),
+    (16, 17, 1),
+    (31, 40, 3),
+    (32, 1, 1),
+    (33, 64, 2),
+    (64, 200, 1),
+    (96, 33, 4),
+];
+
+macro_rules! isa_suite {
+    ($name:ident, $kind:expr) => {
+        mod $name {
+            use super::*;
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+                #[test]
+                fn sparse_ffn_matches_the_reference(
+                    d in 1usize..100,
+                    n_ff in 1usize..90,
+                    n in 1usize..4,
+                    silu in any::<bool>(),
+                    threshold in any::<bool>(),
+                    seed in any::<u64>(),
+                ) {
+                    let act = if silu { FfnAct::Silu } else { FfnAct::Relu };
+                    for par in [Par::Seq, Par::Rayon(3)] {
+                        if let Some(b) = backend($kind, par) {
+                            let r = all_formats(&b, act, d, n_ff, n, threshold, seed);
+                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn edge_table() {
+                for par in [Par::Seq, Par::Rayon(2)] {
+                    let Some(b) = backend($kind, par) else { return };
+                    for (i, &(d, n_ff, n)) in EDGE.iter().enumerate() {
+                        for act in [FfnAct::Silu, FfnAct::Relu] {
+                            for thr in [false, true] {
+                                all_formats(&b, act, d, n_ff, n, thr, i as u64).unwrap_or_else(
+                                    |e| {
+                                        panic!(
+                                            "d {d} n_ff {n_ff} n {n} {act:?} threshold {thr}: {e}"
+                                        )
+                                    },
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+
+            /// Hot + cold = all neurons, and all neurons is the dense FFN.
+            #[test]
+            fn a_partition_sums_to_the_dense_ffn() {
+                let Some(b) = backend($kind, Par::Rayon(2)) else {
+                    return;
+                };
+                let (d, n_ff, n) = (64, 150, 3);
+                let p = FfnProblem::<f16>::random(d, n_ff, n, 5);
+                let w = p.weights().unwrap();
+                let mut rng = Rng::new(6);
+                let hot = subset(&mut rng, n_ff, 0.2);
+                let cold: Vec<u32> = (0..n_ff as u32).filter(|i| !hot.contains(i)).collect();
+                let all: Vec<u32> = (0..n_ff as u32).collect();
+                let run = |l: &[u32]| {
+                    let mut o = vec![f32::NAN; n * d];
+                    b.sparse_ffn(FfnAct::Silu, &w, &p.x, n, Neurons::List(l), &mut o)
+                        .unwrap();
+                    o
+                };
+                let (h, c, a) = (run(&hot), run(&cold), run(&all));
+                let sum: Vec<f32> = h.iter().zip(&c).map(|(x, y)| x + y).collect();
+                let every: Vec<usize> = (0..n_ff).collect();
+                p.check(FfnAct::Silu, &vec![every; n], &sum).unwrap();
+                p.check(FfnAct::Silu, &vec![(0..n_ff).collect(); n], &a)
+                    .unwrap();
+                // The threshold 0 under ReLU keeps exactly the positive gates.
+                let mut o = vec![f32::NAN; n * d];
+                b.sparse_ffn(FfnAct::Relu, &w, &p.x, n, Neurons::Threshold(0.0), &mut o)
+                    .unwrap();
+                let sets: Vec<Vec<usize>> = (0..n)
+                    .map(|t| {
+                        let a = p.activations(FfnAct::Relu, t);
+                        (0..n_ff).filter(|&i| a[i] > 0.0).collect()
+                    })
+                    .collect();
+                p.check(FfnAct::Relu, &sets, &o).unwrap();
+            }
+        }
+    };
+}
+
+every_isa!(isa_suite);
+
+#[test]
+fn bad_input_is_a_typed_error_and_writes_nothing() {
+    let b = CpuBackend::new();
+    let p = FfnProblem::<f32>::random(8, 10, 2, 1);
+    let w = p.weights().unwrap();
+    let mut out = vec![7.0f32; 16];
+    let run =
+        |nr: Neurons<'_>, x: &[f32], out: &mut [f32]| b.sparse_ffn(FfnAct::Silu, &w, x, 2, nr, out);
+    assert!(matches!(
+        run(Neurons::List(&[3, 10]), &p.x, &mut out),
+        Err(Error::Index {
+            what: "neuron",
+            index: 10,
+            len: 10
+        })
+    ));
+    assert!(matches!(
+        run(Neurons::List(&[3, 3]), &p.x, &mut out),
+        Err(Error::Param { .. })
+    ));
+    for t in [f32::NAN, f32::INFINITY, -1.0] {
+        assert!(matches!(
+            run(Neurons::Threshold(t), &p.x, &mut out),
+            Err(Error::Param {
+                what: "ffn threshold",
+                ..
+            })
+        ));
+    }
+    assert!(matches!(
+        run(Neurons::List(&[1]), &p.x[..15], &mut out),
+        Err(Error::Length { what: "x", .. })
+    ));
+    assert!(matches!(
+        run(Neurons::List(&[1]), &p.x, &mut out[..15]),
+        Err(Error::Length { what: "out", .. })
+    ));
+    assert!(out.iter().all(|&v| v == 7.0), "an error wrote the output");
+    // Matrices of the wrong size, and a block format at a width not a multiple of 32.
+    let short = &p.gate[..p.gate.len() - 1];
+    assert!(matches!(
+        hgca_kernels::FfnWeights::new(8, 10, short, &p.up, &p.down_t),
+        Err(Error::Length { what: "gate", .. })
+    ));
+    let q = FfnProblem::<BlockQ8_0>::random(32, 2, 1, 1);
+    assert!(matches!(
+        hgca_kernels::FfnWeights::new(16, 2, &q.gate[..1], &q.up[..1], &q.down_t[..1]),
+        Err(Error::Param { .. })
+    ));
+    // An empty list computes nothing: zeros.
+    run(Neurons::List(&[]), &p.x, &mut out).unwrap();
+    assert!(out.iter().all(|&v| v == 0.0));
+}

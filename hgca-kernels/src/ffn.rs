@@ -1,0 +1,268 @@
+//! The sparse FFN contract (PowerInfer's split): a gated FFN
+//! `y = Σ_{i ∈ A} act(g_i) u_i d_i` over an active neuron set `A`, where
+//! `g_i = W_gate[i]·x`, `u_i = W_up[i]·x` and `d_i` is row `i` of
+//! `W_downᵀ` (neuron `i`'s output column). With `A` every neuron it is the
+//! dense FFN; for any partition of the neurons (hot on the dense side, cold
+//! on the CPU) the partial outputs sum to it.
+//!
+//! Weights are **neuron-major**: three `[n_ff, d_model]` matrices (`W_down`
+//! transposed once at load), so that an active neuron reads three
+//! contiguous rows. A row is stored as floats (`f32`, `f16`, `bf16`) or in
+//! GGUF's block formats ([`BlockQ8_0`], [`BlockQ4_0`]: 32 values per block),
+//! dequantised on the fly.
+
+use crate::{Error, Result, bf16, check_len_of, f16};
+
+/// The gate's activation: `y` sums `act(g_i) * u_i` over the neurons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// `silu(g) = g / (1 + exp(-g))` (SwiGLU: Llama, Qwen2, SmolLM2).
+    Silu,
+    /// `max(g, 0)` (ReGLU; ReLU-fied models, where sparsity is native).
+    Relu,
+}
+
+impl FfnAct {
+    /// The activation of `g`, in f64 (the reference's form).
+    pub fn apply_f64(self, g: f64) -> f64 {
+        match self {
+            FfnAct::Silu => g / (1.0 + (-g).exp()),
+            FfnAct::Relu => g.max(0.0),
+        }
+    }
+}
+
+/// Which neurons a sparse FFN call computes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Neurons<'a> {
+    /// These neurons (each `< n_ff`, distinct), for every token.
+    List(&'a [u32]),
+    /// Per token, the neurons whose activation passes `|act(g_i)| > t`
+    /// (CATS: the gate rows are read for every neuron, the up and down rows
+    /// only for those that pass). `t` must be finite and `>= 0`.
+    Threshold(f32),
+}
+
+/// A weight row format: how many values an element of a row holds, and
+/// how it dequantises (the scalar form; the CPU kernels have their own).
+pub trait WeightElem: Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// Values per element (1 for floats, 32 for GGUF blocks).
+    const VALUES: usize;
+    /// A short name (`f32`, `q8_0`, ...).
+    const NAME: &'static str;
+    /// Writes the `VALUES` values of `self` into `out`.
+    fn dequant(&self, out: &mut [f32]);
+    /// Writes the values of `src` into `out` (`src.len() * VALUES` of
+    /// them): [`WeightElem::dequant`] element by element unless a format
+    /// has a faster form (the half floats convert a slice at a time).
+    #[inline(always)]
+    fn dequant_slice(src: &[Self], out: &mut [f32]) {
+        for (e, o) in src.iter().zip(out.chunks_exact_mut(Self::VALUES)) {
+            e.dequant(o);
+        }
+    }
+}
+
+impl WeightElem for f32 {
+    const VALUES: usize = 1;
+    const NAME: &'static str = "f32";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        out[0] = *self;
+    }
+}
+
+impl WeightElem for f16 {
+    const VALUES: usize = 1;
+    const NAME: &'static str = "f16";
+    #[inline(always)]
+    fn dequant_slice(src: &[Self], out: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
+        src.convert_to_f32_slice(&mut out[..src.len()]);
+    }
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        out[0] = self.to_f32();
+    }
+}
+
+impl WeightElem for bf16 {
+    const VALUES: usize = 1;
+    const NAME: &'static str = "bf16";
+    #[inline(always)]
+    fn dequant_slice(src: &[Self], out: &mut [f32]) {
+        // bf16 is the high half of an f32: a shift, which vectorises.
+        for (o, v) in out.iter_mut().zip(src) {
+            *o = f32::from_bits(u32::from(v.to_bits()) << 16);
+        }
+    }
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        out[0] = self.to_f32();
+    }
+}
+
+/// GGUF's `Q8_0` block: 32 values `d * qs[i]`.
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    /// The scale.
+    pub d: f16,
+    /// The codes.
+    pub qs: [i8; 32],
+}
+
+/// GGUF's `Q4_0` block: 32 values `d * (q_i - 8)`, `q_i` the low nibbles
+/// of `qs` for values 0..16 and the high nibbles for 16..32.
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    /// The scale.
+    pub d: f16,
+    /// The codes, two per byte.
+    pub qs: [u8; 16],
+}
+
+impl WeightElem for BlockQ8_0 {
+    const VALUES: usize = 32;
+    const NAME: &'static str = "q8_0";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for (o, &q) in out.iter_mut().zip(&self.qs) {
+            *o = d * f32::from(q);
+        }
+    }
+}
+
+impl WeightElem for BlockQ4_0 {
+    const VALUES: usize = 32;
+    const NAME: &'static str = "q4_0";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for (i, &b) in self.qs.iter().enumerate() {
+            out[i] = d * (f32::from(b & 0x0F) - 8.0);
+            out[i + 16] = d * (f32::from(b >> 4) - 8.0);
+        }
+    }
+}
+
+impl BlockQ8_0 {
+    /// Quantises 32 values (round to nearest, scale `max |x| / 127`).
+    pub fn quantize(x: &[f32; 32]) -> Self {
+        let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        Self {
+            d: f16::from_f32(d),
+            qs: x.map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
+        }
+    }
+}
+
+impl BlockQ4_0 {
+    /// Quantises 32 values (GGUF's rule: the value of largest magnitude
+    /// maps to code 0, scale `that value / -8`).
+    pub fn quantize(x: &[f32; 32]) -> Self {
+        let m = x
+            .iter()
+            .copied()
+            .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+        let d = m / -8.0;
+        let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let code = |v: f32| ((v * inv + 8.5) as i32).clamp(0, 15) as u8;
+        let mut qs = [0u8; 16];
+        for (i, q) in qs.iter_mut().enumerate() {
+            *q = code(x[i]) | (code(x[i + 16]) << 4);
+        }
+        Self {
+            d: f16::from_f32(d),
+            qs,
+        }
+    }
+}
+
+/// The three neuron-major weight matrices of one gated FFN, rows of
+/// `d_model / W::VALUES` elements.
+#[derive(Debug, Clone, Copy)]
+pub struct FfnWeights<'a, W> {
+    /// Model width (a multiple of `W::VALUES`).
+    pub d_model: usize,
+    /// Neurons.
+    pub n_ff: usize,
+    /// `W_gate`, `[n_ff, d_model]`.
+    pub gate: &'a [W],
+    /// `W_up`, `[n_ff, d_model]`.
+    pub up: &'a [W],
+    /// `W_downᵀ`, `[n_ff, d_model]` (row `i`: neuron `i`'s output column).
+    pub down_t: &'a [W],
+}
+
+impl<'a, W: WeightElem> FfnWeights<'a, W> {
+    /// Checks the lengths.
+    ///
+    /// # Errors
+    /// [`Error::Param`] when `d_model` is not a multiple of the format's
+    /// block; [`Error::Length`] for a matrix of another length.
+    pub fn new(
+        d_model: usize,
+        n_ff: usize,
+        gate: &'a [W],
+        up: &'a [W],
+        down_t: &'a [W],
+    ) -> Result<Self> {
+        if !d_model.is_multiple_of(W::VALUES) {
+            return Err(Error::Param {
+                what: "d_model (a multiple of the weight format's block)",
+                value: d_model as f64,
+                expected: "a multiple of 32 for the block formats",
+            });
+        }
+        let row = d_model / W::VALUES;
+        for (what, m) in [("gate", gate), ("up", up), ("down_t", down_t)] {
+            check_len_of(what, &[n_ff, row], m.len())?;
+        }
+        Ok(Self {
+            d_model,
+            n_ff,
+            gate,
+            up,
+            down_t,
+        })
+    }
+
+    /// Elements per row.
+    pub fn row_len(&self) -> usize {
+        self.d_model / W::VALUES
+    }
+
+    /// Bytes of one neuron's three rows.
+    pub fn neuron_bytes(&self) -> usize {
+        3 * self.row_len() * core::mem::size_of::<W>()
+    }
+}
+
+/// Checks a neuron list: every index `< n_ff` and none twice.
+///
+/// # Errors
+/// [`Error::Index`] for an index out of range, [`Error::Param`] for a repeat.
+pub fn check_neurons(list: &[u32], n_ff: usize) -> Result<()> {
+    let mut seen = vec![false; n_ff];
+    for &i in list {
+        let s = seen.get_mut(i as usize).ok_or(Error::Index {
+            what: "neuron",
+            index: i as usize,
+            len: n_ff,
+        })?;
+        if *s {
+            return Err(Error::Param {
+                what: "neuron list (a repeated neuron)",
+                value: f64::from(i),
+                expected: "distinct neurons",
+            });
+        }
+        *s = true;
+    }
+    Ok(())
+}

@@ -1,0 +1,163 @@
+//! Sparse FFN problems and their check against `hgca-ref` (f64), for any
+//! backend's kernel: random weights in any row format, tokens, and the
+//! comparison of an output with the reference over the same active sets.
+
+use hgca_kernels::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Result, WeightElem, bf16, f16};
+
+use crate::{Rng, within};
+
+/// The tolerance of the FFN kernels, for every weight format (the
+/// reference reads the same dequantised values, so only the f32
+/// accumulation differs): `abs + rel * mag`, `mag` the reference's
+/// magnitude bound ([`hgca_ref::ffn_row`]).
+pub const FFN_TOLERANCE: (f64, f64) = (1e-6, 2e-6);
+
+/// A weight format the tests can write from f32 rows.
+pub trait TestWeight: WeightElem {
+    /// One row of `x.len()` values (a multiple of `VALUES`).
+    fn from_row(x: &[f32]) -> Vec<Self>;
+}
+
+impl TestWeight for f32 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.to_vec()
+    }
+}
+
+impl TestWeight for f16 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.iter().map(|&v| f16::from_f32(v)).collect()
+    }
+}
+
+impl TestWeight for bf16 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.iter().map(|&v| bf16::from_f32(v)).collect()
+    }
+}
+
+impl TestWeight for BlockQ8_0 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(32)
+            .map(|c| BlockQ8_0::quantize(c.try_into().expect("32 values")))
+            .collect()
+    }
+}
+
+impl TestWeight for BlockQ4_0 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(32)
+            .map(|c| BlockQ4_0::quantize(c.try_into().expect("32 values")))
+            .collect()
+    }
+}
+
+/// Dequantises a matrix of rows.
+pub fn dequant<W: WeightElem>(m: &[W]) -> Vec<f32> {
+    let mut out = vec![0.0; m.len() * W::VALUES];
+    for (e, o) in m.iter().zip(out.chunks_exact_mut(W::VALUES)) {
+        e.dequant(o);
+    }
+    out
+}
+
+/// A random gated FFN and `n` tokens.
+#[derive(Debug, Clone)]
+pub struct FfnProblem<W> {
+    /// Model width.
+    pub d: usize,
+    /// Neurons.
+    pub n_ff: usize,
+    /// `W_gate`, `W_up`, `W_downᵀ` (`[n_ff, d]` each).
+    pub gate: Vec<W>,
+    /// See `gate`.
+    pub up: Vec<W>,
+    /// See `gate`.
+    pub down_t: Vec<W>,
+    /// Tokens.
+    pub n: usize,
+    /// `[n, d]`.
+    pub x: Vec<f32>,
+}
+
+impl<W: TestWeight> FfnProblem<W> {
+    /// Weights uniform in `[-1, 1]`, tokens in `[-2, 2]`.
+    pub fn random(d: usize, n_ff: usize, n: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        let mut m = || {
+            let v: Vec<f32> = (0..n_ff * d).map(|_| rng.sym()).collect();
+            v.chunks(d.max(1)).flat_map(W::from_row).collect::<Vec<W>>()
+        };
+        let (gate, up, down_t) = (m(), m(), m());
+        let x = (0..n * d).map(|_| 2.0 * rng.sym()).collect();
+        Self {
+            d,
+            n_ff,
+            gate,
+            up,
+            down_t,
+            n,
+            x,
+        }
+    }
+
+    /// The weights, checked.
+    ///
+    /// # Errors
+    /// As [`FfnWeights::new`].
+    pub fn weights(&self) -> Result<FfnWeights<'_, W>> {
+        FfnWeights::new(self.d, self.n_ff, &self.gate, &self.up, &self.down_t)
+    }
+
+    /// The activations `act(g_i)` of token `t` in f64 (to choose sets).
+    pub fn activations(&self, act: FfnAct, t: usize) -> Vec<f64> {
+        let g = dequant(&self.gate);
+        let x = &self.x[t * self.d..(t + 1) * self.d];
+        (0..self.n_ff)
+            .map(|i| act.apply_f64(hgca_ref::dot(&g[i * self.d..(i + 1) * self.d], x)))
+            .collect()
+    }
+
+    /// Compares `got` (`[n, d]`) with the reference over `sets[t]` per token.
+    ///
+    /// # Errors
+    /// A message naming the first element out of tolerance.
+    pub fn check(
+        &self,
+        act: FfnAct,
+        sets: &[Vec<usize>],
+        got: &[f32],
+    ) -> std::result::Result<(), String> {
+        let (g, u, dt) = (
+            dequant(&self.gate),
+            dequant(&self.up),
+            dequant(&self.down_t),
+        );
+        let d = self.d;
+        if got.len() != self.n * d {
+            return Err(format!(
+                "output of {} values, want {}",
+                got.len(),
+                self.n * d
+            ));
+        }
+        for t in 0..self.n {
+            let x = &self.x[t * d..(t + 1) * d];
+            let (want, mag) = hgca_ref::ffn_row(|v| act.apply_f64(v), d, &g, &u, &dt, x, &sets[t]);
+            for j in 0..d {
+                let err = (f64::from(got[t * d + j]) - want[j]).abs();
+                let bound = FFN_TOLERANCE.0 + FFN_TOLERANCE.1 * mag[j];
+                if !within(err, bound) {
+                    return Err(format!(
+                        "{} token {t} [{j}]: {} vs {} (bound {bound:e}, {} neurons)",
+                        W::NAME,
+                        got[t * d + j],
+                        want[j],
+                        sets[t].len()
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
