@@ -22,8 +22,17 @@ logs=$root/target/fuzz
 rm -rf "$logs"; mkdir -p "$logs"
 cd fuzz
 # Debug assertions on (-a): an arithmetic overflow is a finding too.
-cargo +nightly fuzz build -O -a 2>&1 | tail -1
-cargo +nightly fuzz build -O -a -s none --features llm --target-dir target/nosan 2>&1 | tail -1
+# A build that fails shows its errors, not only the last line of cargo-fuzz's backtrace.
+build() {
+  if ! cargo +nightly fuzz build "$@" >"$logs/build.log" 2>&1; then
+    grep -E '^(error|warning: unused)' -A12 "$logs/build.log" | head -60
+    echo "fuzz: the build failed (cargo +nightly fuzz build $*)" >&2
+    exit 1
+  fi
+  tail -1 "$logs/build.log"
+}
+build -O -a
+build -O -a -s none --features llm --target-dir target/nosan
 # One corpus per target, seeded from the repository's (never written back).
 for t in merge paged capi hybrid gguf; do
   rm -rf "$logs/corpus-$t"; mkdir -p "$logs/corpus-$t"

@@ -689,6 +689,8 @@ fuzz_target!(|c: Case| {
                     recovery_param: 0,
                     refresh_queries: 0,
                     threads: 0,
+                    mass_target: 0.0,
+                    mass_max_share: 0.0,
                 };
                 // SAFETY: a valid out pointer.
                 assert!(ok(unsafe { hgca_hybrid_config_default(&mut hc) }));
@@ -696,7 +698,11 @@ fuzz_target!(|c: Case| {
                 hc.block = usize::from(cfg.block % 17);
                 hc.sinks = usize::from(cfg.sinks % 5);
                 hc.beta = f32::from(cfg.beta) / 64.0;
-                hc.recovery = u32::from(cfg.recovery % 4);
+                // 0..=3 the rules (3: the mass selector), 4 an unknown one.
+                hc.recovery = u32::from(cfg.recovery % 5);
+                // Targets and shares in [0, 1]: 0 is refused, the rest valid.
+                hc.mass_target = f32::from(cfg.param % 8) / 7.0;
+                hc.mass_max_share = f32::from(cfg.refresh % 5) / 4.0;
                 hc.recovery_param = usize::from(cfg.param % 4);
                 hc.refresh_queries = usize::from(cfg.refresh % 3);
                 hc.threads = u32::from(cfg.threads % 3);

@@ -67,14 +67,20 @@ fuzz_target!(|c: Case| {
         beta,
         beta_per_head: None,
         alpha: f32::from(c.alpha) / 200.0,
-        recovery: match c.recovery % 3 {
+        recovery: match c.recovery % 4 {
             0 => Recovery::Frozen,
             1 => Recovery::Rescore {
                 every: usize::from(c.param % 4),
             },
-            _ => Recovery::BlockBounds {
+            2 => Recovery::BlockBounds {
                 top: usize::from(c.param % 4),
             },
+            // Fields set directly (not through MassTarget::new): 0 is
+            // refused by the layer's validation, the rest in (0, 1].
+            _ => Recovery::Mass(hgca_kernels::MassTarget {
+                target: f32::from(c.param % 8) / 7.0,
+                max_share: f32::from(c.refresh % 5) / 4.0,
+            }),
         },
         refresh_queries: usize::from(c.refresh % 4),
     };

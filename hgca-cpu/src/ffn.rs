@@ -9,11 +9,14 @@
 //! a fixed order, so a call's result does not depend on scheduling.
 
 use hgca_kernels::{
-    Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, check_len_of, check_neurons,
+    BlockQ4_0, BlockQ8_0, Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, bf16,
+    check_len_of, check_neurons, f16,
 };
 
+use pulp::Simd;
+
 use crate::CpuBackend;
-use crate::isa::dispatch;
+use crate::isa::{Kern, dispatch, load, store};
 
 /// What a [`CpuBackend::sparse_ffn`] call computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -31,15 +34,19 @@ pub struct FfnStats {
 /// Values dequantised at a time (one GGUF block; 32 floats).
 const CHUNK: usize = 32;
 
-/// `Σ_k row[k] x[k]` with `row` dequantised on the fly, in 16 lanes.
+/// `Σ_k row[k] x[k]` with `row` dequantised a block at a time, in 16
+/// lanes (for the block formats this measured faster than dequantising
+/// the whole row first).
 #[inline(always)]
-fn dot_row<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
+fn dot_blocks<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
     let per = CHUNK / W::VALUES;
     let mut acc = [0.0f32; 16];
     let mut buf = [0.0f32; CHUNK];
     let full = row.len() / per;
     for (c, xs) in row.chunks_exact(per).zip(x.chunks_exact(CHUNK)) {
-        W::dequant_slice(c, &mut buf);
+        for (e, o) in c.iter().zip(buf.chunks_exact_mut(W::VALUES)) {
+            e.dequant(o);
+        }
         for h in 0..2 {
             for l in 0..16 {
                 acc[l] = buf[h * 16 + l].mul_add(xs[h * 16 + l], acc[l]);
@@ -58,12 +65,14 @@ fn dot_row<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
 
 /// `y += a * row` with `row` dequantised on the fly.
 #[inline(always)]
-fn axpy_row<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
+fn axpy_blocks<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
     let per = CHUNK / W::VALUES;
     let mut buf = [0.0f32; CHUNK];
     let full = row.len() / per;
     for (c, ys) in row.chunks_exact(per).zip(y.chunks_exact_mut(CHUNK)) {
-        W::dequant_slice(c, &mut buf);
+        for (e, o) in c.iter().zip(buf.chunks_exact_mut(W::VALUES)) {
+            e.dequant(o);
+        }
         for (yv, &b) in ys.iter_mut().zip(&buf) {
             *yv = b.mul_add(a, *yv);
         }
@@ -75,6 +84,108 @@ fn axpy_row<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
     }
 }
 
+/// `Σ_k a[k] b[k]` in f32 vectors (four accumulators), a scalar tail.
+#[inline(always)]
+fn dot<S: Simd>(s: S, a: &[f32], b: &[f32]) -> f32 {
+    let (ah, at) = S::as_simd_f32s(a);
+    let (bh, bt) = S::as_simd_f32s(&b[..a.len()]);
+    let mut acc = [s.splat_f32s(0.0); 4];
+    let mut ac = ah.chunks_exact(4);
+    let mut bc = bh.chunks_exact(4);
+    for (x, y) in (&mut ac).zip(&mut bc) {
+        for i in 0..4 {
+            acc[i] = s.mul_add_f32s(x[i], y[i], acc[i]);
+        }
+    }
+    for (&x, &y) in ac.remainder().iter().zip(bc.remainder()) {
+        acc[0] = s.mul_add_f32s(x, y, acc[0]);
+    }
+    let v = s.add_f32s(s.add_f32s(acc[0], acc[1]), s.add_f32s(acc[2], acc[3]));
+    let mut sum = s.reduce_sum_f32s(v);
+    for (&x, &y) in at.iter().zip(bt) {
+        sum = x.mul_add(y, sum);
+    }
+    sum
+}
+
+/// `y += a * x` in f32 vectors.
+#[inline(always)]
+fn axpy<S: Simd>(s: S, a: f32, x: &[f32], y: &mut [f32]) {
+    let av = s.splat_f32s(a);
+    let (xh, xt) = S::as_simd_f32s(x);
+    let (yh, yt) = S::as_mut_simd_f32s(&mut y[..x.len()]);
+    for (yv, &xv) in yh.iter_mut().zip(xh) {
+        *yv = s.mul_add_f32s(xv, av, *yv);
+    }
+    for (yv, &xv) in yt.iter_mut().zip(xt) {
+        *yv = xv.mul_add(a, *yv);
+    }
+}
+
+/// Dequantises one row into `out` (`d` values) inside the ISA: half
+/// floats widen a vector at a time with the ISA's conversion (F16C,
+/// AVX-512, NEON's FCVTL), Q8_0 and Q4_0 blocks through a 32-value buffer
+/// whose integer-to-float loop vectorises; other formats element by element.
+#[inline(always)]
+fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &mut [f32]) {
+    use core::any::TypeId;
+    let lanes = S::F32_LANES;
+    let id = TypeId::of::<W>();
+    if id == TypeId::of::<f16>() || id == TypeId::of::<bf16>() || id == TypeId::of::<f32>() {
+        let full = row.len() / lanes * lanes;
+        for (c, o) in row[..full]
+            .chunks_exact(lanes)
+            .zip(out.chunks_exact_mut(lanes))
+        {
+            let v = if id == TypeId::of::<f16>() {
+                s.widen_f16(extra, bytemuck::cast_slice::<W, f16>(c))
+            } else if id == TypeId::of::<bf16>() {
+                s.widen_bf16(bytemuck::cast_slice::<W, bf16>(c))
+            } else {
+                load(s, bytemuck::cast_slice::<W, f32>(c))
+            };
+            store(s, o, v);
+        }
+        W::dequant_slice(&row[full..], &mut out[full..row.len()]);
+    } else if id == TypeId::of::<BlockQ8_0>() {
+        let blocks = bytemuck::cast_slice::<W, BlockQ8_0>(row);
+        let scales = widen_scales(s, extra, blocks.iter().map(|b| b.d));
+        for ((b, o), &d) in blocks.iter().zip(out.chunks_exact_mut(32)).zip(&scales) {
+            for (o, &q) in o.iter_mut().zip(&b.qs) {
+                *o = d * f32::from(q);
+            }
+        }
+    } else if id == TypeId::of::<BlockQ4_0>() {
+        let blocks = bytemuck::cast_slice::<W, BlockQ4_0>(row);
+        let scales = widen_scales(s, extra, blocks.iter().map(|b| b.d));
+        for ((b, o), &d) in blocks.iter().zip(out.chunks_exact_mut(32)).zip(&scales) {
+            let (lo, hi) = o.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b.qs) {
+                *l = d * (f32::from(q & 0x0F) - 8.0);
+                *h = d * (f32::from(q >> 4) - 8.0);
+            }
+        }
+    } else {
+        W::dequant_slice(row, out);
+    }
+}
+
+/// The f16 scales of a row's blocks as f32, widened a vector at a time
+/// (one conversion per block, scalar, was most of a Q8_0 row's time).
+#[inline(always)]
+fn widen_scales<S: Kern>(s: S, extra: S::Extra, d: impl Iterator<Item = f16>) -> Vec<f32> {
+    let lanes = S::F32_LANES;
+    let mut h: Vec<f16> = d.collect();
+    let n = h.len();
+    h.resize(n.div_ceil(lanes) * lanes, f16::ZERO);
+    let mut out = vec![0.0f32; h.len()];
+    for (c, o) in h.chunks_exact(lanes).zip(out.chunks_exact_mut(lanes)) {
+        store(s, o, s.widen_f16(extra, c));
+    }
+    out.truncate(n);
+    out
+}
+
 #[inline(always)]
 fn activate(act: FfnAct, g: f32) -> f32 {
     match act {
@@ -83,11 +194,14 @@ fn activate(act: FfnAct, g: f32) -> f32 {
     }
 }
 
-/// One part's neurons (`ids`, or the range `ids_range` when `ids` is
-/// `None`) over the `n` tokens of `x`, added into `y` (`[n, d]`).
+/// One part's neurons (`ids`) over the `n` tokens of `x`, added into `y`
+/// (`[n, d]`). Each neuron's rows are dequantised once into f32 (the up
+/// and down rows only when some token needs them), then serve every token.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn ffn_part<W: WeightElem>(
+fn ffn_part<S: Kern, W: WeightElem>(
+    s: S,
+    extra: S::Extra,
     act: FfnAct,
     w: &FfnWeights<'_, W>,
     x: &[f32],
@@ -98,21 +212,51 @@ fn ffn_part<W: WeightElem>(
 ) -> FfnStats {
     let (d, r) = (w.d_model, w.row_len());
     let mut st = FfnStats::default();
+    let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
+    let mut a = vec![0.0f32; n];
+    let blocks = W::VALUES > 1;
     for i in ids {
-        let (gate, up, down) = (
-            &w.gate[i * r..(i + 1) * r],
-            &w.up[i * r..(i + 1) * r],
-            &w.down_t[i * r..(i + 1) * r],
-        );
-        for t in 0..n {
-            let xt = &x[t * d..(t + 1) * d];
-            let a = activate(act, dot_row(gate, xt));
-            st.rows += 1;
-            if threshold.is_some_and(|th| a.abs() <= th) {
+        if blocks {
+            // Block formats: dequantised a block at a time inside each pass.
+            let (gate, up, down) = (
+                &w.gate[i * r..(i + 1) * r],
+                &w.up[i * r..(i + 1) * r],
+                &w.down_t[i * r..(i + 1) * r],
+            );
+            for t in 0..n {
+                let xt = &x[t * d..(t + 1) * d];
+                let v = activate(act, dot_blocks(gate, xt));
+                st.rows += 1;
+                if threshold.is_some_and(|th| v.abs() <= th) {
+                    continue;
+                }
+                let c = v * dot_blocks(up, xt);
+                axpy_blocks(down, c, &mut y[t * d..(t + 1) * d]);
+                st.rows += 2;
+                st.active += 1;
+            }
+            continue;
+        }
+        dequant_row(s, extra, &w.gate[i * r..(i + 1) * r], &mut g);
+        let mut any = false;
+        for (t, at) in a.iter_mut().enumerate() {
+            let v = activate(act, dot(s, &g, &x[t * d..(t + 1) * d]));
+            let keep = !threshold.is_some_and(|th| v.abs() <= th);
+            *at = if keep { v } else { f32::NAN };
+            any |= keep;
+        }
+        st.rows += n;
+        if !any {
+            continue;
+        }
+        dequant_row(s, extra, &w.up[i * r..(i + 1) * r], &mut u);
+        dequant_row(s, extra, &w.down_t[i * r..(i + 1) * r], &mut dn);
+        for (t, &at) in a.iter().enumerate() {
+            if at.is_nan() {
                 continue;
             }
-            let c = a * dot_row(up, xt);
-            axpy_row(down, c, &mut y[t * d..(t + 1) * d]);
+            let c = at * dot(s, &u, &x[t * d..(t + 1) * d]);
+            axpy(s, c, &dn, &mut y[t * d..(t + 1) * d]);
             st.rows += 2;
             st.active += 1;
         }
@@ -195,12 +339,12 @@ impl CpuBackend {
             let (y, st) = &mut part[0];
             let range = (p * per).min(count)..((p + 1) * per).min(count);
             let run = |y: &mut [f32]| {
-                dispatch!(isa, _s => {
+                dispatch!(isa, s, ex => {
                     let mut ids: Box<dyn Iterator<Item = usize>> = match list {
                         Some(l) => Box::new(l[range.clone()].iter().map(|&i| i as usize)),
                         None => Box::new(range.clone()),
                     };
-                    ffn_part(act, w, x, n, &mut *ids, threshold, y)
+                    ffn_part(s, ex, act, w, x, n, &mut *ids, threshold, y)
                 })
             };
             *st = if p == 0 {

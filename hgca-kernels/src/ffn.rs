@@ -45,7 +45,7 @@ pub enum Neurons<'a> {
 
 /// A weight row format: how many values an element of a row holds, and
 /// how it dequantises (the scalar form; the CPU kernels have their own).
-pub trait WeightElem: Copy + Send + Sync + std::fmt::Debug + 'static {
+pub trait WeightElem: bytemuck::Pod + Send + Sync + std::fmt::Debug + 'static {
     /// Values per element (1 for floats, 32 for GGUF blocks).
     const VALUES: usize;
     /// A short name (`f32`, `q8_0`, ...).

@@ -34,10 +34,10 @@ mod tokenizer;
 pub use error::{Error, Result};
 pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
 pub use model::{
-    AUTO_DENSE_ROWS, BoxedAttention, Llama, LlamaWeights, Logits, WeightFormat, argmax,
-    full_attention, log_prob,
+    AUTO_DENSE_ROWS, BoxedAttention, FfnCount, Llama, LlamaWeights, Logits, SparseFfn,
+    WeightFormat, argmax, full_attention, log_prob,
 };
-pub use ppl::{PplOptions, PplReport, perplexity};
+pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
 pub use tokenizer::GgufTokenizer;
 
 /// Where `scripts/fetch-model.sh` puts the model, relative to the repository root.

@@ -17,6 +17,7 @@ use hgca_llm::{
 };
 use indicatif::{ProgressBar, ProgressStyle};
 
+mod ffn_cmd;
 mod needle;
 
 #[derive(Parser, Debug)]
@@ -72,6 +73,9 @@ enum Cmd {
     /// Retrieval of a code hidden in a haystack of real text, full
     /// attention against the hybrid layer, answer by answer.
     Needle(needle::NeedleArgs),
+    /// Perplexity against FFN sparsity: hgca's sparse FFN with thresholds
+    /// calibrated per layer (CATS), exact attention.
+    Ffn(ffn_cmd::FfnArgs),
     /// Continue a prompt (greedy unless --temperature) and print the text.
     Generate {
         /// The prompt.
@@ -718,6 +722,7 @@ fn main() {
     let r = match &cli.cmd {
         Cmd::Ppl(a) => cmd_ppl(&cli, a),
         Cmd::Needle(a) => needle::cmd_needle(&cli, a),
+        Cmd::Ffn(a) => ffn_cmd::cmd_ffn(&cli, a),
         Cmd::Speed {
             text,
             context,

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use hgca_kernels::AttnShape;
 
-use crate::model::{BoxedAttention, Llama, LlamaWeights, Logits, log_prob};
+use crate::model::{BoxedAttention, Llama, LlamaWeights, Logits, SparseFfn, log_prob};
 use crate::{Error, Result};
 
 /// How [`perplexity`] walks the tokens.
@@ -75,7 +75,26 @@ pub fn perplexity<F>(
     weights: &Arc<LlamaWeights>,
     tokens: &[u32],
     opts: PplOptions,
+    attention: F,
+    progress: impl FnMut(usize),
+) -> Result<PplReport>
+where
+    F: FnMut(usize, AttnShape) -> Result<BoxedAttention>,
+{
+    perplexity_with(weights, tokens, opts, attention, None, progress)
+}
+
+/// [`perplexity`] with hgca's sparse FFN in every layer when `ffn` is
+/// given ([`Llama::with_sparse_ffn`]).
+///
+/// # Errors
+/// As [`perplexity`].
+pub fn perplexity_with<F>(
+    weights: &Arc<LlamaWeights>,
+    tokens: &[u32],
+    opts: PplOptions,
     mut attention: F,
+    ffn: Option<&Arc<SparseFfn>>,
     mut progress: impl FnMut(usize),
 ) -> Result<PplReport>
 where
@@ -110,6 +129,9 @@ where
     let mut elapsed = Duration::ZERO;
     for seg in &segs {
         let mut llm = Llama::new(Arc::clone(weights), &mut attention)?;
+        if let Some(f) = ffn {
+            llm = llm.with_sparse_ffn(Arc::clone(f));
+        }
         // Pieces: the context part in chunks, the scored part in chunks or single tokens.
         let first = opts.score_from.saturating_sub(1);
         let mut pieces: Vec<(usize, usize)> = Vec::new();

@@ -388,3 +388,69 @@ fn malformed_gguf_is_one_line_error() {
     assert!(e.to_string().contains("general.alignment"), "{e}");
     println!("{cuts} truncations refused, 400 corruptions, alignment 0 refused");
 }
+
+/// hgca's sparse FFN in the model: at sparsity 0 it is the dense FFN up to
+/// the f16 rounding of its weight copies (both architectures); calibrated
+/// to a sparsity, it computes about that share fewer neurons on the
+/// calibration text itself, and reads fewer weight rows.
+#[test]
+fn sparse_ffn_matches_the_dense_ffn_at_sparsity_zero() {
+    use hgca_llm::SparseFfn;
+    for arch in [hgca_llm::Arch::Llama, hgca_llm::Arch::Qwen2] {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = SynthSpec {
+            arch,
+            ..SynthSpec::default()
+        };
+        let w = weights(&tiny(dir.path(), &spec), WeightFormat::F32);
+        let ids: Vec<u32> = (0..40u32).map(|i| (i * 13 + 5) % 250).collect();
+        let dense = Llama::with_full_attention::<f32>(Arc::clone(&w))
+            .unwrap()
+            .forward(&ids, Logits::All)
+            .unwrap();
+        let cpu = hgca_cpu::CpuBackend::new();
+        let ffn = Arc::new(SparseFfn::new(&w, cpu.clone()).unwrap());
+        let sparse = Llama::with_full_attention::<f32>(Arc::clone(&w))
+            .unwrap()
+            .with_sparse_ffn(Arc::clone(&ffn))
+            .forward(&ids, Logits::All)
+            .unwrap();
+        let d = max_rel_diff(&sparse, &dense);
+        assert!(
+            d < 2e-2 && d > 0.0,
+            "{arch:?}: sparse FFN at sparsity 0 vs dense: {d}"
+        );
+        let c = ffn.count();
+        let (layers, ff) = (w.config().n_layers as u64, w.config().ffn_dim as u64);
+        assert_eq!(c.evals, 40 * layers);
+        assert!(c.active as f64 > 0.99 * (40 * layers * ff) as f64, "{c:?}");
+        // Calibrated to skip half the neurons, on the same tokens.
+        let mut half = SparseFfn::new(&w, cpu.clone()).unwrap();
+        half.calibrate(&w, &ids, 0.5).unwrap();
+        assert!(half.thresholds().iter().all(|&t| t > 0.0));
+        let half = Arc::new(half);
+        Llama::with_full_attention::<f32>(Arc::clone(&w))
+            .unwrap()
+            .with_sparse_ffn(Arc::clone(&half))
+            .forward(&ids, Logits::Last)
+            .unwrap();
+        let c = half.count();
+        let share = c.active as f64 / (40 * layers * ff) as f64;
+        // The first layer sees the calibration's inputs exactly; later ones
+        // drift with the skipped neurons: about half, not exactly.
+        assert!(
+            (0.35..0.65).contains(&share),
+            "{arch:?}: {share} of the neurons computed"
+        );
+        assert!(c.rows < 3 * 40 * layers * ff, "{c:?}");
+        let mut bad = SparseFfn::new(&w, cpu.clone()).unwrap();
+        assert!(matches!(
+            bad.calibrate(&w, &ids, 1.0),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(matches!(
+            bad.calibrate(&w, &[], 0.5),
+            Err(Error::Invalid { .. })
+        ));
+    }
+}
