@@ -9,8 +9,7 @@
 //! a fixed order, so a call's result does not depend on scheduling.
 
 use hgca_kernels::{
-    BlockQ4_0, BlockQ8_0, Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, bf16,
-    check_len_of, check_neurons, f16,
+    Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, bf16, check_len_of, check_neurons, f16,
 };
 
 use pulp::Simd;
@@ -122,10 +121,9 @@ fn axpy<S: Simd>(s: S, a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// Dequantises one row into `out` (`d` values) inside the ISA: half
-/// floats widen a vector at a time with the ISA's conversion (F16C,
-/// AVX-512, NEON's FCVTL), Q8_0 and Q4_0 blocks through a 32-value buffer
-/// whose integer-to-float loop vectorises; other formats element by element.
+/// Dequantises one row of floats into `out` (`d` values) inside the ISA:
+/// half floats widen a vector at a time with the ISA's conversion (F16C,
+/// AVX-512, NEON's FCVTL). The block formats take [`dot_blocks`] instead.
 #[inline(always)]
 fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &mut [f32]) {
     use core::any::TypeId;
@@ -147,43 +145,9 @@ fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &m
             store(s, o, v);
         }
         W::dequant_slice(&row[full..], &mut out[full..row.len()]);
-    } else if id == TypeId::of::<BlockQ8_0>() {
-        let blocks = bytemuck::cast_slice::<W, BlockQ8_0>(row);
-        let scales = widen_scales(s, extra, blocks.iter().map(|b| b.d));
-        for ((b, o), &d) in blocks.iter().zip(out.chunks_exact_mut(32)).zip(&scales) {
-            for (o, &q) in o.iter_mut().zip(&b.qs) {
-                *o = d * f32::from(q);
-            }
-        }
-    } else if id == TypeId::of::<BlockQ4_0>() {
-        let blocks = bytemuck::cast_slice::<W, BlockQ4_0>(row);
-        let scales = widen_scales(s, extra, blocks.iter().map(|b| b.d));
-        for ((b, o), &d) in blocks.iter().zip(out.chunks_exact_mut(32)).zip(&scales) {
-            let (lo, hi) = o.split_at_mut(16);
-            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b.qs) {
-                *l = d * (f32::from(q & 0x0F) - 8.0);
-                *h = d * (f32::from(q >> 4) - 8.0);
-            }
-        }
     } else {
         W::dequant_slice(row, out);
     }
-}
-
-/// The f16 scales of a row's blocks as f32, widened a vector at a time
-/// (one conversion per block, scalar, was most of a Q8_0 row's time).
-#[inline(always)]
-fn widen_scales<S: Kern>(s: S, extra: S::Extra, d: impl Iterator<Item = f16>) -> Vec<f32> {
-    let lanes = S::F32_LANES;
-    let mut h: Vec<f16> = d.collect();
-    let n = h.len();
-    h.resize(n.div_ceil(lanes) * lanes, f16::ZERO);
-    let mut out = vec![0.0f32; h.len()];
-    for (c, o) in h.chunks_exact(lanes).zip(out.chunks_exact_mut(lanes)) {
-        store(s, o, s.widen_f16(extra, c));
-    }
-    out.truncate(n);
-    out
 }
 
 #[inline(always)]
