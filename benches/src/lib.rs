@@ -436,3 +436,58 @@ impl Report {
         }
     }
 }
+
+/// f32 FMA throughput in FLOP/s (an FMA counts 2) on `threads` threads:
+/// each runs 16 independent chains of vector FMAs on the best ISA pulp
+/// detects (enough chains to cover the FMA latency on two pipes), best of
+/// `reps`. The peak the compute-bound kernels are judged against.
+pub fn fma_peak(threads: usize, reps: usize) -> f64 {
+    struct Chains(usize);
+    impl pulp::WithSimd for Chains {
+        type Output = f32;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, s: S) -> f32 {
+            let a = s.splat_f32s(0.999_999);
+            let b = s.splat_f32s(1e-7);
+            let mut acc = [s.splat_f32s(1.0); 16];
+            for _ in 0..self.0 {
+                for x in acc.iter_mut() {
+                    *x = s.mul_add_f32s(*x, a, b);
+                }
+            }
+            let mut t = s.splat_f32s(0.0);
+            for x in acc {
+                t = s.add_f32s(t, x);
+            }
+            s.reduce_sum_f32s(t)
+        }
+    }
+    let lanes = pulp::Arch::new().dispatch(Lanes);
+    struct Lanes;
+    impl pulp::WithSimd for Lanes {
+        type Output = usize;
+        #[inline(always)]
+        fn with_simd<S: Simd>(self, _: S) -> usize {
+            S::F32_LANES
+        }
+    }
+    let iters = 20_000_000usize;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .expect("probe threads");
+    let mut best = f64::MAX;
+    for _ in 0..reps {
+        let t = Instant::now();
+        let s: f32 = pool.install(|| {
+            use rayon::prelude::*;
+            (0..threads)
+                .into_par_iter()
+                .map(|_| pulp::Arch::new().dispatch(Chains(std::hint::black_box(iters))))
+                .sum()
+        });
+        std::hint::black_box(s);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (threads * iters * 16 * lanes * 2) as f64 / best
+}

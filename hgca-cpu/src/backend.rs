@@ -15,6 +15,7 @@ use crate::isa::{Isa, IsaKind, SimdElem, dispatch, exp_neg};
 use crate::kernel::{
     Heads, ListTokens, MAX_HEADS, RangeTokens, Run, ScoreOut, ThresholdTokens, attend, finish,
 };
+use crate::prefill;
 
 /// Parallelism of a CPU call (faer's `Par`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -329,10 +330,29 @@ impl CpuBackend {
         n_q: usize,
         visible: impl Fn(usize) -> usize + Sync,
         kv: &K,
-        out: PartialMut<'_>,
+        mut out: PartialMut<'_>,
     ) -> Result<()> {
         check_common(shape, q, n_q, kv, &out)?;
         let n = kv.tokens();
+        if n_q >= prefill::MIN_QUERIES {
+            // Many queries: the tiled kernel (query rows x key tiles).
+            let scale = shape.scale();
+            let qs: Vec<f32> = q.iter().map(|&x| x * scale).collect();
+            let (o, l) = out.parts_mut();
+            prefill::append_tiled(
+                self.isa,
+                self.par,
+                self.pool.as_deref(),
+                shape,
+                &qs,
+                n_q,
+                &|t| visible(t).min(n),
+                kv,
+                o,
+                l,
+            );
+            return Ok(());
+        }
         self.run_whole(
             shape,
             q,

@@ -18,6 +18,7 @@ mod backend;
 mod ffn;
 pub mod isa;
 mod kernel;
+mod prefill;
 mod select;
 mod window;
 

@@ -99,46 +99,69 @@ fn dense_all_case<T: KvElem>(
     Ok(())
 }
 
-/// Causal append against the reference: query i sees tokens 0..visible0+i.
+/// Causal append against the reference: query i sees tokens
+/// 0..visible0+i. From `MIN_QUERIES` (8) queries the backend takes the
+/// tiled prefill kernel, below it the decode kernel per query: the cases
+/// cover both, every KV dtype, and a first query that sees `lag` fewer
+/// tokens than the chunk's own (a window's view).
 fn append_case(
     b: &CpuBackend,
+    dtype: DType,
     shape: AttnShape,
     tokens: usize,
     n_q: usize,
     seed: u64,
 ) -> Result<(), String> {
-    let p = Problem::<f16>::random(shape, tokens, 10.0, seed);
-    let mut rng = Rng::new(seed);
-    let q: Vec<f32> = (0..n_q * shape.q_len()).map(|_| 2.0 * rng.sym()).collect();
-    let visible0 = tokens.saturating_sub(n_q) + 1;
-    let layout = PartialLayout::append(&shape, n_q);
-    let mut out = Partial::poisoned(layout);
-    b.dense_append(&shape, &q, n_q, visible0, &p.kv(), out.as_mut())
-        .map_err(|e| e.to_string())?;
-    let mut want = Vec::new();
-    for i in 0..n_q {
-        let sets = vec![(0..(visible0 + i).min(tokens)).collect::<Vec<_>>(); shape.kv_heads()];
-        let s = &shape;
-        want.extend(hgca_ref::attend(
-            &q[i * s.q_len()..(i + 1) * s.q_len()],
-            &p.k32,
-            &p.v32,
-            s.q_heads(),
-            s.kv_heads(),
-            s.head_dim(),
-            tokens,
-            s.scale() as f64,
-            &sets,
-        ));
+    fn go<T: KvElem>(
+        b: &CpuBackend,
+        shape: AttnShape,
+        tokens: usize,
+        n_q: usize,
+        seed: u64,
+    ) -> Result<(), String> {
+        let p = Problem::<T>::random(shape, tokens, 10.0, seed);
+        let mut rng = Rng::new(seed);
+        let q: Vec<f32> = (0..n_q * shape.q_len()).map(|_| 2.0 * rng.sym()).collect();
+        // Usually the chunk's own tokens are the last n_q; sometimes the
+        // first query sees fewer (down to none) or all of them.
+        let visible0 = match seed % 4 {
+            0 => rng.below(tokens + 1),
+            _ => tokens.saturating_sub(n_q) + 1,
+        };
+        let layout = PartialLayout::append(&shape, n_q);
+        let mut out = Partial::poisoned(layout);
+        b.dense_append(&shape, &q, n_q, visible0, &p.kv(), out.as_mut())
+            .map_err(|e| e.to_string())?;
+        let mut want = Vec::new();
+        for i in 0..n_q {
+            let sets = vec![(0..(visible0 + i).min(tokens)).collect::<Vec<_>>(); shape.kv_heads()];
+            let s = &shape;
+            want.extend(hgca_ref::attend(
+                &q[i * s.q_len()..(i + 1) * s.q_len()],
+                &p.k32,
+                &p.v32,
+                s.q_heads(),
+                s.kv_heads(),
+                s.head_dim(),
+                tokens,
+                s.scale() as f64,
+                &sets,
+            ));
+        }
+        check_rows(
+            layout,
+            out.out(),
+            out.lse(),
+            &want,
+            p.vmax,
+            Tolerance::of(T::DTYPE),
+        )
     }
-    check_rows(
-        layout,
-        out.out(),
-        out.lse(),
-        &want,
-        p.vmax,
-        Tolerance::of(DType::F16),
-    )
+    match dtype {
+        DType::F32 => go::<f32>(b, shape, tokens, n_q, seed),
+        DType::F16 => go::<f16>(b, shape, tokens, n_q, seed),
+        DType::BF16 => go::<bf16>(b, shape, tokens, n_q, seed),
+    }
 }
 
 /// The fused threshold form selects exactly `maw > t` and equals the list form.
@@ -578,9 +601,16 @@ macro_rules! isa_suite {
                 #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
 
                 #[test]
-                fn append_is_causal(shape in arb_shape(), tokens in 1usize..300, n_q in 1usize..6, par in 0usize..3, seed in any::<u64>()) {
+                fn append_is_causal(
+                    shape in arb_shape(),
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    tokens in 1usize..300,
+                    n_q in prop_oneof![1usize..8, 8usize..90],
+                    par in 0usize..3,
+                    seed in any::<u64>(),
+                ) {
                     if let Some(b) = backend($kind, pars()[par]) {
-                        let r = append_case(&b, shape, tokens, n_q.min(tokens), seed);
+                        let r = append_case(&b, dtype, shape, tokens, n_q.min(tokens), seed);
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                     }
                 }
@@ -704,7 +734,12 @@ macro_rules! isa_suite {
                         }
                         dense_all_case::<f32>(&b, shape, n, 30.0, i as u64).unwrap();
                         if n > 0 {
-                            append_case(&b, shape, n, n.min(4), i as u64).unwrap();
+                            for dtype in DType::ALL {
+                                for n_q in [4, 8, 33] {
+                                    append_case(&b, dtype, shape, n, n.min(n_q), i as u64)
+                                        .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} {dtype}: {e}"));
+                                }
+                            }
                         }
                     }
                 }
