@@ -38,6 +38,20 @@ impl Par {
     }
 }
 
+/// Threads a caller owns, on which a [`CpuBackend`] can run its parallel
+/// work instead of rayon's ([`CpuBackend::with_executor`]): an inference
+/// engine's own pool, so that hgca's attention and the engine's matmuls
+/// share the same workers and no two pools compete for the cores.
+pub trait Executor: Send + Sync + std::fmt::Debug {
+    /// Threads that run the calls of [`Executor::run`] (the calling thread
+    /// included); the backend splits its work for this many.
+    fn threads(&self) -> usize;
+    /// Calls `f(i)` exactly once for every `i` in `0..n`, on any of its
+    /// threads (the calling one included), and returns when every call
+    /// has returned. A panic in `f` may propagate to the caller.
+    fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync));
+}
+
 /// Tokens a chunk of the work attends to smallest (smaller splits cost more in merges than they win).
 const MIN_CHUNK: usize = 256;
 
@@ -64,6 +78,8 @@ pub struct CpuBackend {
     isa: Isa,
     par: Par,
     pool: Option<Arc<rayon::ThreadPool>>,
+    /// The caller's threads, when given ([`CpuBackend::with_executor`]).
+    exec: Option<Arc<dyn Executor>>,
     /// Reused buffer of the window weights a dense submit produces.
     pub(crate) wbuf: Arc<Mutex<Vec<f32>>>,
 }
@@ -173,6 +189,7 @@ impl CpuBackend {
             isa: Isa::detect(),
             par: Par::Rayon(0),
             pool: None,
+            exec: None,
             wbuf: Arc::default(),
         }
     }
@@ -204,7 +221,62 @@ impl CpuBackend {
             _ => None,
         };
         self.par = par;
+        self.exec = None;
         Ok(self)
+    }
+
+    /// Runs this backend's parallel work on the caller's threads
+    /// (`exec`) instead of rayon: an engine whose own pool spins between
+    /// its operations (ggml's, candle's quantised matmuls) keeps its cores
+    /// busy while hgca's attention runs, so rayon's threads would have to
+    /// fight it for them. Replaces the parallelism of [`CpuBackend::with_par`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use hgca_cpu::{CpuBackend, Executor};
+    /// /// Two "threads": the calls run in turn on the calling thread.
+    /// #[derive(Debug)]
+    /// struct Inline;
+    /// impl Executor for Inline {
+    ///     fn threads(&self) -> usize { 2 }
+    ///     fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) { (0..n).for_each(f) }
+    /// }
+    /// let cpu = CpuBackend::new().with_executor(Arc::new(Inline));
+    /// assert_eq!(cpu.threads(), 2);
+    /// let mut v = vec![0u32; 6];
+    /// cpu.for_chunks(&mut v, 2, |i, c| c.fill(i as u32));
+    /// assert_eq!(v, [0, 0, 1, 1, 2, 2]);
+    /// ```
+    #[must_use]
+    pub fn with_executor(mut self, exec: Arc<dyn Executor>) -> Self {
+        self.par = Par::Rayon(0);
+        self.pool = None;
+        self.exec = Some(exec);
+        self
+    }
+
+    /// Runs `f(i, &mut items[i])` for every item: in order on the calling
+    /// thread with [`Par::Seq`], else on the executor or rayon pool.
+    pub(crate) fn for_each_item<T: Send>(&self, items: &mut [T], f: impl Fn(usize, &mut T) + Sync) {
+        if matches!(self.par, Par::Seq) || items.len() <= 1 {
+            items.iter_mut().enumerate().for_each(|(i, t)| f(i, t));
+            return;
+        }
+        if let Some(exec) = &self.exec {
+            // Each item is taken by exactly one call; the locks are never contended.
+            let cells: Vec<Mutex<&mut T>> = items.iter_mut().map(Mutex::new).collect();
+            exec.run(cells.len(), &|i| {
+                let mut t = cells[i].lock().unwrap_or_else(|e| e.into_inner());
+                f(i, &mut t)
+            });
+            return;
+        }
+        use rayon::prelude::*;
+        let mut go = || items.par_iter_mut().enumerate().for_each(|(i, t)| f(i, t));
+        match &self.pool {
+            Some(p) => p.install(go),
+            None => go(),
+        }
     }
 
     /// The ISA in use.
@@ -221,6 +293,7 @@ impl CpuBackend {
     pub fn threads(&self) -> usize {
         match (&self.par, &self.pool) {
             (Par::Seq, _) => 1,
+            _ if self.exec.is_some() => self.exec.as_ref().map_or(1, |e| e.threads().max(1)),
             (_, Some(p)) => p.current_num_threads(),
             (_, None) => rayon::current_num_threads(),
         }
@@ -243,24 +316,9 @@ impl CpuBackend {
         chunk: usize,
         f: impl Fn(usize, &mut [T]) + Sync,
     ) {
-        use rayon::prelude::*;
         let chunk = chunk.max(1);
-        if matches!(self.par, Par::Seq) || data.len() <= chunk {
-            data.chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(i, c)| f(i, c));
-            return;
-        }
-        let f = &f;
-        let mut go = move || {
-            data.par_chunks_mut(chunk)
-                .enumerate()
-                .for_each(|(i, c)| f(i, c))
-        };
-        match &self.pool {
-            Some(p) => p.install(go),
-            None => go(),
-        }
+        let mut parts: Vec<&mut [T]> = data.chunks_mut(chunk).collect();
+        self.for_each_item(&mut parts, |i, c| f(i, c));
     }
 
     /// Dense decode attention of `q [q_heads, d]` over every token of `kv`.
@@ -339,18 +397,7 @@ impl CpuBackend {
             let scale = shape.scale();
             let qs: Vec<f32> = q.iter().map(|&x| x * scale).collect();
             let (o, l) = out.parts_mut();
-            prefill::append_tiled(
-                self.isa,
-                self.par,
-                self.pool.as_deref(),
-                shape,
-                &qs,
-                n_q,
-                &|t| visible(t).min(n),
-                kv,
-                o,
-                l,
-            );
+            prefill::append_tiled(self, shape, &qs, n_q, &|t| visible(t).min(n), kv, o, l);
             return Ok(());
         }
         self.run_whole(
@@ -648,24 +695,10 @@ impl CpuBackend {
                 }
             }
         };
-        match (par, &self.pool) {
-            (Par::Seq, _) => {
-                for (i, t) in io.iter_mut().enumerate() {
-                    task_fn(i, t);
-                }
-            }
-            (_, pool) => {
-                use rayon::prelude::*;
-                let mut go = || {
-                    io.par_iter_mut()
-                        .enumerate()
-                        .for_each(|(i, t)| task_fn(i, t))
-                };
-                match pool {
-                    Some(p) => p.install(go),
-                    None => go(),
-                }
-            }
+        if par == Par::Seq {
+            io.iter_mut().enumerate().for_each(|(i, t)| task_fn(i, t));
+        } else {
+            self.for_each_item(&mut io, task_fn);
         }
         drop(io);
         let work = &work[..n_tasks * stride];

@@ -22,7 +22,7 @@ mod prefill;
 mod select;
 mod window;
 
-pub use backend::{BatchTokens, CpuBackend, Par, Shard};
+pub use backend::{BatchTokens, CpuBackend, Executor, Par, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
 pub use select::{INT8_TILE, Int8Keys, quantize_i8};

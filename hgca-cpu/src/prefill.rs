@@ -27,8 +27,8 @@
 use hgca_kernels::{AttnShape, KvSource};
 use pulp::Simd;
 
+use crate::CpuBackend;
 use crate::isa::{Kern, SimdElem, dispatch, exp_neg, load, store};
-use crate::{Isa, Par};
 
 /// Keys per tile (a multiple of every ISA's lane count).
 pub(crate) const TK: usize = 32;
@@ -67,9 +67,7 @@ struct Tile {
 /// natural log). The caller has checked the lengths.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn append_tiled<T: SimdElem, K: KvSource<T>>(
-    isa: Isa,
-    par: Par,
-    pool: Option<&rayon::ThreadPool>,
+    cpu: &CpuBackend,
     shape: &AttnShape,
     qs: &[f32],
     n_q: usize,
@@ -80,39 +78,18 @@ pub(crate) fn append_tiled<T: SimdElem, K: KvSource<T>>(
 ) {
     let (d, group, qh) = (shape.head_dim(), shape.group(), shape.q_heads());
     let tq = (ROWS / group).max(1);
+    let isa = cpu.isa();
     let task = |i: usize, o: &mut [f32], lse: &mut [f32]| {
         let t0 = i * tq;
         let nt = lse.len() / qh;
         dispatch!(isa, s, x => tile_task(s, x, shape, qs, t0, nt, visible, kv, o, lse));
     };
-    let o_chunk = tq * qh * d;
-    let l_chunk = tq * qh;
     debug_assert!(out_o.len() == n_q * qh * d && out_lse.len() == n_q * qh);
-    match par {
-        Par::Seq => {
-            for (i, (o, l)) in out_o
-                .chunks_mut(o_chunk)
-                .zip(out_lse.chunks_mut(l_chunk))
-                .enumerate()
-            {
-                task(i, o, l);
-            }
-        }
-        Par::Rayon(_) => {
-            use rayon::prelude::*;
-            let mut go = || {
-                out_o
-                    .par_chunks_mut(o_chunk)
-                    .zip(out_lse.par_chunks_mut(l_chunk))
-                    .enumerate()
-                    .for_each(|(i, (o, l))| task(i, o, l))
-            };
-            match pool {
-                Some(p) => p.install(go),
-                None => go(),
-            }
-        }
-    }
+    let mut tiles: Vec<(&mut [f32], &mut [f32])> = out_o
+        .chunks_mut(tq * qh * d)
+        .zip(out_lse.chunks_mut(tq * qh))
+        .collect();
+    cpu.for_each_item(&mut tiles, |i, (o, l)| task(i, o, l));
 }
 
 /// Queries `t0..t0 + nt`, every KV head, into their rows of `o` / `lse`.

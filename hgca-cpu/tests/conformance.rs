@@ -17,7 +17,7 @@ use proptest::prelude::*;
 mod paged;
 
 mod common;
-use common::backend;
+use common::{Threads, backend};
 
 fn selection(rng: &mut Rng, kv_heads: usize, tokens: usize) -> Selection {
     let sets = random_sets(rng, kv_heads, tokens);
@@ -493,8 +493,10 @@ macro_rules! isa_suite {
         mod $name {
             use super::*;
 
-            fn pars() -> Vec<Par> {
-                vec![Par::Seq, Par::Rayon(2), Par::Rayon(3)]
+            /// Sequential, rayon pools of 2 and 3 threads, and a caller's
+            /// executor of 3 threads (no rayon).
+            fn pars() -> Vec<Threads> {
+                vec![Par::Seq.into(), Par::Rayon(2).into(), Par::Rayon(3).into(), Threads::Exec(3)]
             }
 
             #[test]
@@ -555,7 +557,7 @@ macro_rules! isa_suite {
                     tokens in prop::sample::select(vec![0usize, 1, 2, 15, 16, 17, 33, 100, 700]),
                     dtype in prop::sample::select(DType::ALL.to_vec()),
                     spread in arb_spread(),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    par in prop::sample::select(vec![0usize, 1, 2, 3]),
                     seed in any::<u64>(),
                 ) {
                     if let Some(b) = backend($kind, pars()[par]) {
@@ -573,7 +575,7 @@ macro_rules! isa_suite {
                     dtype in prop::sample::select(DType::ALL.to_vec()),
                     sparse in any::<bool>(),
                     fmt in prop::sample::select(paged::FORMATS.to_vec()),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    par in prop::sample::select(vec![0usize, 1, 2, 3]),
                     seed in any::<u64>(),
                 ) {
                     if let Some(b) = backend($kind, pars()[par]) {
@@ -587,7 +589,7 @@ macro_rules! isa_suite {
                     shape in arb_shape(),
                     tokens in 0usize..600,
                     spread in arb_spread(),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
+                    par in prop::sample::select(vec![0usize, 1, 2, 3]),
                     seed in any::<u64>(),
                 ) {
                     if let Some(b) = backend($kind, pars()[par]) {
@@ -606,7 +608,7 @@ macro_rules! isa_suite {
                     dtype in prop::sample::select(DType::ALL.to_vec()),
                     tokens in 1usize..300,
                     n_q in prop_oneof![1usize..8, 8usize..90],
-                    par in 0usize..3,
+                    par in 0usize..4,
                     seed in any::<u64>(),
                 ) {
                     if let Some(b) = backend($kind, pars()[par]) {
@@ -616,7 +618,7 @@ macro_rules! isa_suite {
                 }
 
                 #[test]
-                fn threshold_form_selects_while_scanning(shape in arb_shape(), tokens in 0usize..900, par in 0usize..3, seed in any::<u64>()) {
+                fn threshold_form_selects_while_scanning(shape in arb_shape(), tokens in 0usize..900, par in 0usize..4, seed in any::<u64>()) {
                     if let Some(b) = backend($kind, pars()[par]) {
                         let r = threshold_case(&b, shape, tokens, seed);
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use super::{Cli, bar, full_factory, load, read_tokens};
-use hgca_cpu::{CpuBackend, Par};
 use hgca_llm::{PplOptions, Result, SparseFfn, perplexity, perplexity_with};
 
 /// Options of the ffn command.
@@ -45,7 +44,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
     let dense = perplexity(&w, ids, opts, full_factory(cli.kv), |d| {
         pb.set_position(d as u64)
     })?;
-    let cpu = CpuBackend::new().with_par(Par::from_threads(cli.threads))?;
+    let cpu = hgca_llm::cpu_backend();
     let mut rows = Vec::new();
     let mut zero_ppl = None;
     for (i, &s) in a.sparsity.iter().enumerate() {

@@ -34,8 +34,8 @@ mod tokenizer;
 pub use error::{Error, Result};
 pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
 pub use model::{
-    AUTO_DENSE_ROWS, BoxedAttention, FfnCount, Llama, LlamaWeights, Logits, SparseFfn,
-    WeightFormat, argmax, full_attention, log_prob,
+    AUTO_DENSE_ROWS, BoxedAttention, CandleThreads, FfnCount, Llama, LlamaWeights, Logits, Profile,
+    SparseFfn, WeightFormat, argmax, cpu_backend, full_attention, log_prob,
 };
 pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
 pub use tokenizer::GgufTokenizer;

@@ -29,14 +29,12 @@ struct Cli {
     /// Weight format of the projections.
     #[arg(long, global = true, value_enum, default_value_t = Weights::Auto)]
     weights: Weights,
-    /// Compute threads of candle's matmuls and hgca's attention (0: all
-    /// cores). Default 1: candle's spinning barrier pool collapses when
-    /// another process holds a core (decode 30 -> 8 tok/s measured on a
-    /// busy 2-core machine).
-    #[arg(long, global = true, default_value_t = 1)]
+    /// Compute threads of candle's matmuls and hgca's attention, which run
+    /// on the same (candle's) threads; 0: every core this process may use.
+    #[arg(long, global = true, default_value_t = 0)]
     threads: usize,
     /// Storage type of the KV cache.
-    #[arg(long, global = true, value_enum, default_value_t = Kv::F32)]
+    #[arg(long, global = true, value_enum, default_value_t = Kv::F16)]
     kv: Kv,
     #[command(subcommand)]
     cmd: Cmd,
@@ -264,15 +262,27 @@ fn hybrid_factory(
         let count = Arc::clone(&count);
         Ok(match kv {
             Kv::F32 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f32>::cpu(shape, cfg.clone())?,
+                inner: HybridAttention::<_, _, f32>::cpu_on(
+                    shape,
+                    cfg.clone(),
+                    hgca_llm::cpu_backend(),
+                )?,
                 count,
             }) as BoxedAttention,
             Kv::F16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f16>::cpu(shape, cfg.clone())?,
+                inner: HybridAttention::<_, _, f16>::cpu_on(
+                    shape,
+                    cfg.clone(),
+                    hgca_llm::cpu_backend(),
+                )?,
                 count,
             }),
             Kv::Bf16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, bf16>::cpu(shape, cfg.clone())?,
+                inner: HybridAttention::<_, _, bf16>::cpu_on(
+                    shape,
+                    cfg.clone(),
+                    hgca_llm::cpu_backend(),
+                )?,
                 count,
             }),
         })
@@ -587,6 +597,7 @@ fn cmd_speed(
     let mut next = argmax(&last).unwrap_or(0) as u32;
     let pb = bar(decode);
     pb.set_message("decode");
+    llm.set_profile(true);
     let t1 = Instant::now();
     for _ in 0..decode {
         let l = llm.forward(&[next], Logits::Last)?;
@@ -595,6 +606,7 @@ fn cmd_speed(
     }
     let dec = t1.elapsed().as_secs_f64();
     pb.finish_and_clear();
+    let prof = llm.profile();
     println!(
         "time to first token: {prefill:.2}s for a {context}-token prompt = {:.1} tok/s prefill (chunk {chunk})",
         context as f64 / prefill
@@ -618,6 +630,19 @@ fn cmd_speed(
         cli.weights,
         cli.kv
     );
+    if let Some(p) = prof.filter(|p| p.tokens > 0) {
+        let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / p.tokens as f64;
+        println!(
+            "decode time per token: {:.2} ms = Q/K/V projections {:.2} + attention {:.2} + output projection {:.2} + FFN {:.2} + LM head {:.2} + other {:.2}",
+            ms(p.total),
+            ms(p.qkv),
+            ms(p.attn),
+            ms(p.wo),
+            ms(p.ffn),
+            ms(p.head),
+            ms(p.other())
+        );
+    }
     Ok(())
 }
 
@@ -709,15 +734,19 @@ fn cmd_generate(
 
 fn main() {
     let cli = Cli::parse();
-    if cli.threads > 0 {
-        let n = cli.threads.to_string();
-        // SAFETY: no other thread exists yet (candle and rayon start their
-        // pools lazily, on first use below), so nothing reads the environment
-        // concurrently.
-        unsafe {
-            std::env::set_var("CANDLE_NUM_THREADS", &n);
-            std::env::set_var("RAYON_NUM_THREADS", &n);
-        }
+    // candle sizes its pools from these variables (it would take the
+    // physical cores, not the ones this process may use).
+    let threads = match cli.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let n = threads.to_string();
+    // SAFETY: no other thread exists yet (candle and rayon start their
+    // pools lazily, on first use below), so nothing reads the environment
+    // concurrently.
+    unsafe {
+        std::env::set_var("CANDLE_NUM_THREADS", &n);
+        std::env::set_var("RAYON_NUM_THREADS", &n);
     }
     let r = match &cli.cmd {
         Cmd::Ppl(a) => cmd_ppl(&cli, a),

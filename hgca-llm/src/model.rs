@@ -271,17 +271,36 @@ pub enum Logits {
 /// A per-layer attention, as [`Llama`] holds it.
 pub type BoxedAttention = Box<dyn SequenceAttention + Send>;
 
+/// candle's own worker threads (the barrier pool of its quantised
+/// matmuls) as an [`hgca_cpu::Executor`], so that hgca's attention runs on
+/// the threads the matmuls use. Those threads spin for a while after each
+/// matmul before they sleep: attention on rayon's threads beside them
+/// fought them for the cores (SmolLM2 decode at context 2048 on 2 cores:
+/// attention 6.6 ms per token in the model, 2.8 ms alone).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CandleThreads;
+
+impl hgca_cpu::Executor for CandleThreads {
+    fn threads(&self) -> usize {
+        candle_core::utils::get_num_threads()
+    }
+    fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        candle_core::utils::barrier_pool().execute_chunked(n, |r| r.for_each(f));
+    }
+}
+
+/// The CPU backend hgca-llm's attention runs on: the best ISA, and
+/// candle's threads ([`CandleThreads`]).
+pub fn cpu_backend() -> hgca_cpu::CpuBackend {
+    hgca_cpu::CpuBackend::new().with_executor(Arc::new(CandleThreads))
+}
+
 /// The attention factory of exact full attention (hgca's CPU baseline) with
 /// KV stored as `T`, for [`Llama::new`] and [`crate::perplexity`]: every
-/// layer gets a [`FullAttention`] on a [`hgca_cpu::CpuBackend`].
+/// layer gets a [`FullAttention`] on [`cpu_backend`].
 pub fn full_attention<T: KvElem + Send + 'static>()
 -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> + Copy {
-    |_, shape| {
-        Ok(
-            Box::new(FullAttention::<T>::new(shape, hgca_cpu::CpuBackend::new())?)
-                as BoxedAttention,
-        )
-    }
+    |_, shape| Ok(Box::new(FullAttention::<T>::new(shape, cpu_backend())?) as BoxedAttention)
 }
 
 /// One running sequence of a Llama model: shared weights, one attention
@@ -295,6 +314,39 @@ pub struct Llama {
     ffn: Option<Arc<SparseFfn>>,
     /// Per layer, samples of `|silu(gate)|` of the dense FFN (calibration).
     record: Option<Vec<Vec<f32>>>,
+    /// Where the time of forward calls went, when asked.
+    profile: Option<Profile>,
+}
+
+/// Where the time of [`Llama::forward`] calls went, summed over the calls
+/// since [`Llama::set_profile`] turned it on (wall-clock time of the calling
+/// thread around each part; the parts' own threads run inside them).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Profile {
+    /// Forward calls and the tokens they took.
+    pub calls: u64,
+    /// Tokens of those calls.
+    pub tokens: u64,
+    /// The Q/K/V projection, its biases and RoPE.
+    pub qkv: std::time::Duration,
+    /// Attention (the layer's [`SequenceAttention::forward`]).
+    pub attn: std::time::Duration,
+    /// The output projection and its residual.
+    pub wo: std::time::Duration,
+    /// The FFN (gate/up, activation, down) and its residual.
+    pub ffn: std::time::Duration,
+    /// The final norm and the LM head.
+    pub head: std::time::Duration,
+    /// The whole calls.
+    pub total: std::time::Duration,
+}
+
+impl Profile {
+    /// Everything outside the parts (embedding, norms, RoPE tables, copies).
+    pub fn other(&self) -> std::time::Duration {
+        self.total
+            .saturating_sub(self.qkv + self.attn + self.wo + self.ffn + self.head)
+    }
 }
 
 impl std::fmt::Debug for Llama {
@@ -363,7 +415,18 @@ impl Llama {
             poisoned: false,
             ffn: None,
             record: None,
+            profile: None,
         })
+    }
+
+    /// Turns the time profile of forward calls on (from zero) or off.
+    pub fn set_profile(&mut self, on: bool) {
+        self.profile = on.then(Profile::default);
+    }
+
+    /// The time profile since [`Llama::set_profile`] turned it on.
+    pub fn profile(&self) -> Option<Profile> {
+        self.profile
     }
 
     /// A new sequence with exact full attention (hgca's CPU baseline), KV
@@ -429,7 +492,13 @@ impl Llama {
             return Ok(Vec::new());
         }
         self.poisoned = true;
+        let t0 = std::time::Instant::now();
         let out = self.forward_inner(tokens, logits)?;
+        if let Some(p) = &mut self.profile {
+            p.calls += 1;
+            p.tokens += n as u64;
+            p.total += t0.elapsed();
+        }
         self.poisoned = false;
         self.pos += n;
         Ok(out)
@@ -460,8 +529,10 @@ impl Llama {
         let mut v = vec![0.0f32; n * kvd];
         let mut att = vec![0.0f32; n * d];
         let mut act = vec![0.0f32; n * c.ffn_dim];
+        let mut laps = Laps::new(self.profile.take());
         for (li, (layer, attn)) in w.layers.iter().zip(self.attn.iter_mut()).enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
+            laps.skip();
             let mut qkv = layer.qkv.forward(&h, n)?;
             let row = d + 2 * kvd;
             if let Some(bias) = &layer.qkv_bias {
@@ -479,17 +550,22 @@ impl Llama {
             }
             rope(&mut q, d, hd, &cos, &sin, c.arch);
             rope(&mut k, kvd, hd, &cos, &sin, c.arch);
+            laps.add(|p| &mut p.qkv);
             attn.forward(&q, &k, &v, n, &mut att)?;
+            laps.add(|p| &mut p.attn);
             let o = layer.wo.forward(&att, n)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
+            laps.add(|p| &mut p.wo);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
+            laps.skip();
             if let Some(ffn) = &self.ffn {
                 let dn = ffn.forward(li, &h, n)?;
                 for (a, b) in x.iter_mut().zip(&dn) {
                     *a += b;
                 }
+                laps.add(|p| &mut p.ffn);
                 continue;
             }
             let gu = layer.gate_up.forward(&h, n)?;
@@ -508,15 +584,55 @@ impl Llama {
             for (a, b) in x.iter_mut().zip(&dn) {
                 *a += b;
             }
+            laps.add(|p| &mut p.ffn);
         }
         let (rows, m) = match logits {
-            Logits::None => return Ok(Vec::new()),
+            Logits::None => {
+                self.profile = laps.done();
+                return Ok(Vec::new());
+            }
             Logits::Last => (&x[(n - 1) * d..], 1),
             Logits::All => (&x[..], n),
         };
         let mut hn = vec![0.0f32; m * d];
         rms_norm(rows, &w.out_norm, c.rms_eps, &mut hn);
-        w.lm_head.forward(&hn, m)
+        let out = w.lm_head.forward(&hn, m)?;
+        laps.add(|p| &mut p.head);
+        self.profile = laps.done();
+        Ok(out)
+    }
+}
+
+/// The laps of one forward call, added to parts of a [`Profile`] (nothing
+/// when there is none).
+struct Laps {
+    prof: Option<Profile>,
+    lap: std::time::Instant,
+}
+
+impl Laps {
+    fn new(prof: Option<Profile>) -> Self {
+        Self {
+            prof,
+            lap: std::time::Instant::now(),
+        }
+    }
+    /// Adds the time since the last lap to `part`.
+    fn add(&mut self, part: fn(&mut Profile) -> &mut std::time::Duration) {
+        if let Some(p) = self.prof.as_mut() {
+            let now = std::time::Instant::now();
+            *part(p) += now - self.lap;
+            self.lap = now;
+        }
+    }
+    /// Starts a new lap without counting the last one in a part.
+    fn skip(&mut self) {
+        if self.prof.is_some() {
+            self.lap = std::time::Instant::now();
+        }
+    }
+    fn done(self) -> Option<Profile> {
+        self.prof
     }
 }
 
