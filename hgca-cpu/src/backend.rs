@@ -321,6 +321,19 @@ impl CpuBackend {
         self.for_each_item(&mut parts, |i, c| f(i, c));
     }
 
+    /// `x[i] = exp(x[i] - shift)` in place, vectorised (relative error
+    /// about 2e-7), for `x[i] <= shift` (softmax weights against their
+    /// max); `-inf` gives 0. Larger inputs give unspecified values.
+    ///
+    /// ```
+    /// let mut x = [0.0f32, -1.0, f32::NEG_INFINITY];
+    /// hgca_cpu::CpuBackend::new().exp_shifted(&mut x, 0.0);
+    /// assert!((x[1] - (-1.0f32).exp()).abs() < 1e-6 && x[0] == 1.0 && x[2] == 0.0);
+    /// ```
+    pub fn exp_shifted(&self, x: &mut [f32], shift: f32) {
+        exp_shifted(self.isa, x, shift);
+    }
+
     /// Dense decode attention of `q [q_heads, d]` over every token of `kv`.
     /// `weights`, if given, receives `[q_heads, tokens]`.
     ///

@@ -199,6 +199,15 @@ struct SelCount {
     /// KV-head steps of the mass selector, and those that fell back to dense.
     head_steps: u64,
     dense_heads: u64,
+    /// The layers' decode-step time split (summed over steps and layers):
+    /// dense side (the window), selection, sparse side (selection included),
+    /// merge and MAW, whole steps.
+    t_dense: std::time::Duration,
+    t_select: std::time::Duration,
+    t_sparse: std::time::Duration,
+    t_merge: std::time::Duration,
+    t_total: std::time::Duration,
+    steps: u64,
 }
 
 /// A hybrid layer that adds its selection statistics to a shared counter.
@@ -238,6 +247,12 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
                 c.head_steps += kvh as u64;
                 c.dense_heads += st.dense_heads as u64;
             }
+            c.t_dense += st.dense;
+            c.t_select += st.select;
+            c.t_sparse += st.sparse;
+            c.t_merge += st.merge;
+            c.t_total += st.total;
+            c.steps += 1;
         }
         Ok(())
     }
@@ -611,9 +626,21 @@ fn cmd_speed(
         "time to first token: {prefill:.2}s for a {context}-token prompt = {:.1} tok/s prefill (chunk {chunk})",
         context as f64 / prefill
     );
-    let (picked, seen) = {
+    let (picked, seen, split) = {
         let c = count.lock().unwrap_or_else(|e| e.into_inner());
-        (c.selected, c.candidates)
+        let per = |d: std::time::Duration| 1e3 * d.as_secs_f64() / decode.max(1) as f64;
+        let split = (c.steps > 0).then(|| {
+            format!(
+                "hybrid layers per token: {:.2} ms = dense window {:.2} + sparse {:.2} (selection {:.2}) + merge/MAW {:.2} + other {:.2}",
+                per(c.t_total),
+                per(c.t_dense),
+                per(c.t_sparse),
+                per(c.t_select),
+                per(c.t_merge),
+                per(c.t_total.saturating_sub(c.t_dense + c.t_sparse + c.t_merge))
+            )
+        });
+        (c.selected, c.candidates, split)
     };
     let selected = if seen > 0 {
         format!(
@@ -630,6 +657,9 @@ fn cmd_speed(
         cli.weights,
         cli.kv
     );
+    if let Some(split) = split {
+        println!("{split}");
+    }
     if let Some(p) = prof.filter(|p| p.tokens > 0) {
         let ms = |d: std::time::Duration| 1e3 * d.as_secs_f64() / p.tokens as f64;
         println!(
