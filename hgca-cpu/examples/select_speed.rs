@@ -71,8 +71,13 @@ fn main() -> Result<(), hgca_kernels::Error> {
         sel.len()
     );
     // The int8 estimate of the mass selector: a group of 7 over 32k keys
-    // of d = 64 (Qwen2.5-0.5B at 32k), and the 128k demo's head.
-    for (group, n, d) in [(7usize, 32_768usize, 64usize), (4, entries, 128)] {
+    // of d = 64 (Qwen2.5-0.5B at 32k), SmolLM2-135M at 8k (a group of 3
+    // over the 6016 CPU entries), and the 128k demo's head.
+    for (group, n, d) in [
+        (7usize, 32_768usize, 64usize),
+        (3, 6016, 64),
+        (4, entries, 128),
+    ] {
         let mut keys = hgca_cpu::Int8Keys::new(d);
         for j in 0..n {
             let row: Vec<f32> = (0..d)

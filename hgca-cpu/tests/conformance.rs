@@ -723,6 +723,20 @@ macro_rules! isa_suite {
                 }
             }
 
+            /// Prompt chunks of a model's size: many query tiles and key
+            /// tiles, the causal edge inside most of them.
+            #[test]
+            fn append_long_chunks() {
+                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
+                for (qh, kvh, d, tokens, n_q) in [(9, 3, 64, 2048, 512), (14, 2, 64, 1100, 600), (4, 4, 40, 700, 700)] {
+                    let shape = AttnShape::new(qh, kvh, d).unwrap();
+                    for dtype in [DType::F32, DType::F16] {
+                        append_case(&b, dtype, shape, tokens, n_q, 5)
+                            .unwrap_or_else(|e| panic!("{shape:?} n={tokens} n_q={n_q} {dtype}: {e}"));
+                    }
+                }
+            }
+
             #[test]
             fn edge_table() {
                 for par in pars() {
