@@ -61,8 +61,8 @@ if [ -f scripts/neon-test.sh ]; then
   bash scripts/neon-test.sh
 fi
 
-step "fuzz (5 targets, ${HGCA_FUZZ_SECONDS:-150} s)"
-bash scripts/fuzz.sh "${HGCA_FUZZ_SECONDS:-150}"
+step "fuzz (5 targets, ${HGCA_FUZZ_SECONDS:-120} s)"
+bash scripts/fuzz.sh "${HGCA_FUZZ_SECONDS:-120}"
 
 step "done"
 read -r p f <<<"$passed"
