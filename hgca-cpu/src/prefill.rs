@@ -210,8 +210,8 @@ fn pack<S: Kern, T: SimdElem, K: KvSource<T>>(
             vdst[c] = v[c].to_f32();
         }
         // K: widened a vector at a time into a row, then scattered into
-        // the tile's columns (d <= 1024 is the shape's limit; longer rows
-        // go element by element).
+        // the tile's columns (a head_dim above the 1024 of this stack row,
+        // which no model has but a shape allows, goes element by element).
         if d <= krow.len() {
             for c in (0..full).step_by(lanes) {
                 store(s, &mut krow[c..], T::load(s, x, &k[c..]));
