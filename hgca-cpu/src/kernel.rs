@@ -19,12 +19,39 @@
 //! 4. each V row is loaded once and accumulated into every head's output.
 //!
 //! Accumulation is f32 throughout.
+//!
+//! # Call path
+//!
+//! How one call reaches the code below (a sparse decode; dense, threshold,
+//! batched and append calls take the same road from step 2):
+//!
+//! 1. [`SparseAttention::sparse_decode`](hgca_kernels::SparseAttention) on
+//!    `CpuBackend` (`backend.rs`): shapes and lengths checked once
+//!    (`check_common`), the call described as a `Job` (`plan.rs`: which
+//!    tokens each (query token, KV head) unit attends, as a `Spec`).
+//! 2. `CpuBackend::run` (`plan.rs`): `plan` splits the units into `Task`s
+//!    (head subgroups of at most `MAX_HEADS`, token chunks of at least
+//!    `MIN_CHUNK`), and `for_each_item` (`backend.rs`) runs them
+//!    sequentially, on the caller's `Executor`, or on rayon.
+//! 3. Per task, `dispatch!` (`isa.rs`) binds the ISA's pulp token inside its
+//!    `vectorize` (V3: `run_f16c`, after detecting F16C once and making the
+//!    `F16c` proof) and calls [`attend`] with the task's tokens
+//!    (`ListTokens`, `RangeTokens` or `ThresholdTokens`).
+//! 4. [`attend`] / `attend_as` walk the tokens in blocks of [`BLOCK`] and
+//!    enter each block through `Kern::step_f32` / `step_f16` / `step_bf16`
+//!    (written by `kern_steps!` in `isa.rs`: plain functions of each ISA,
+//!    entered again inside its target features); `StepElem::step` leads to
+//!    [`step`], which picks the head count (`by_heads!`) and runs
+//!    `scores_block`, the online softmax and `values_block`.
+//! 5. [`finish`] normalises each task's output and LSE; `run` merges the
+//!    chunks of a split unit by LSE (`merge_rows`) and, when asked, writes
+//!    the softmax weights (`exp_shifted`).
 
 use half::{bf16, f16};
 use hgca_kernels::{DType, KvSource};
 use pulp::Simd;
 
-use crate::isa::{Kern, SimdElem, exp_neg, load, store};
+use crate::isa::{Isa, Kern, SimdElem, dispatch, exp_neg, load, store};
 
 /// Tokens per block.
 pub(crate) const BLOCK: usize = 32;
@@ -629,6 +656,23 @@ pub(crate) fn finish(o: &mut [f32], lse: &mut [f32], run: &[Run], d: usize) {
             row.iter_mut().for_each(|x| *x *= inv);
             lse[h] = r.m + r.l.ln();
         }
+    }
+}
+
+/// `x[i] = exp(x[i] - shift)`, vectorised.
+pub(crate) fn exp_shifted(isa: Isa, x: &mut [f32], shift: f32) {
+    dispatch!(isa, s => exp_shifted_simd(s, x, shift))
+}
+
+#[inline(always)]
+fn exp_shifted_simd<S: Simd>(s: S, x: &mut [f32], shift: f32) {
+    let m = s.splat_f32s(shift);
+    let (head, tail) = S::as_mut_simd_f32s(x);
+    for v in head {
+        *v = exp_neg(s, s.sub_f32s(*v, m));
+    }
+    for v in tail {
+        *v = (*v - shift).exp();
     }
 }
 

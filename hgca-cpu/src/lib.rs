@@ -15,14 +15,17 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 mod backend;
+mod batch;
 mod ffn;
 pub mod isa;
 mod kernel;
+mod plan;
 mod prefill;
 mod select;
 mod window;
 
-pub use backend::{BatchTokens, CpuBackend, Executor, Par, Shard};
+pub use backend::{CpuBackend, Executor, Par};
+pub use batch::{BatchTokens, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
 pub use select::{INT8_TILE, Int8Keys, quantize_i8};
