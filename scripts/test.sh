@@ -11,6 +11,8 @@ step() { printf '\n== %s (%ss)\n' "$1" "$(( $(date +%s) - start ))"; }
 
 if [ "${CI:-}" = "true" ]; then
   export HGCA_REQUIRE_WGPU=1 HGCA_REQUIRE_NVRTC=1 HGCA_REQUIRE_NEON=1
+  # A clean clone builds once: incremental state would only be written.
+  export CARGO_INCREMENTAL=0
   # Every x86 ISA the kernel reports must run its conformance suite (read
   # from /proc/cpuinfo, independently of the library's own detection).
   isas=""
