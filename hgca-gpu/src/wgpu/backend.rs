@@ -1,95 +1,98 @@
-//! The wgpu context, the GPU KV window and the submit/wait machinery.
+//! The wgpu context: device, pipelines, the buffer pool and the helpers
+//! the window, attention and merge modules share.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use hgca_kernels::{
-    DType, DenseAttention, Error, KvElem, KvWindow, MergeBackend, PartialLayout, PartialMut,
-    PartialRef, Result, WindowBackend, WindowSpec, bf16, check_len, check_len_of, f16,
-};
+use hgca_kernels::{DType, Error, Result};
 
-use super::{MAX_HEAD_DIM, WgpuAdapterInfo, WgpuOptions};
+use super::{WgpuAdapterInfo, WgpuOptions};
 
 /// How long a read-back waits for its map callbacks once the GPU work it
 /// reads has completed (they need only another poll; this bounds a bug).
-const MAP_DEADLINE: Duration = Duration::from_secs(60);
+pub(super) const MAP_DEADLINE: Duration = Duration::from_secs(60);
 
-const BACKEND: &str = "wgpu";
+pub(super) const BACKEND: &str = "wgpu";
 /// Invocations per workgroup of every kernel (the `64u` in the shaders).
-const WG: usize = 64;
+pub(super) const WG: usize = 64;
 /// Most splits of one split-K decode.
-const MAX_SPLITS: usize = 4096;
+pub(super) const MAX_SPLITS: usize = 4096;
 /// Most idle buffers the pool keeps.
-const POOL_MAX: usize = 64;
+pub(super) const POOL_MAX: usize = 64;
 
-const ATTN_SRC: &str = concat!(
+pub(super) const ATTN_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/attn.wgsl")
 );
-const WEIGHTS_SRC: &str = concat!(
+pub(super) const WEIGHTS_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/weights.wgsl")
 );
-const MERGE_SRC: &str = concat!(
+pub(super) const MERGE_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/merge.wgsl")
 );
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+pub(super) static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn backend_err(message: impl Into<String>) -> Error {
+pub(super) fn backend_err(message: impl Into<String>) -> Error {
     Error::Backend {
         backend: BACKEND,
         message: message.into(),
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The uniform parameter block, `Params` in `shaders/common.wgsl`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
-    rows: u32,
-    q_heads: u32,
-    group: u32,
-    d: u32,
-    rw: u32,
-    cap: u32,
-    start: u32,
-    len: u32,
-    n_splits: u32,
-    split_len: u32,
-    vis0: i32,
-    want_scores: u32,
-    scale: f32,
-    n_parts: u32,
-    nblk: u32,
-    pad: u32,
+pub(super) struct Params {
+    pub(super) rows: u32,
+    pub(super) q_heads: u32,
+    pub(super) group: u32,
+    pub(super) d: u32,
+    pub(super) rw: u32,
+    pub(super) cap: u32,
+    pub(super) start: u32,
+    pub(super) len: u32,
+    pub(super) n_splits: u32,
+    pub(super) split_len: u32,
+    pub(super) vis0: i32,
+    pub(super) want_scores: u32,
+    pub(super) scale: f32,
+    pub(super) n_parts: u32,
+    pub(super) nblk: u32,
+    pub(super) pad: u32,
 }
 
 #[derive(Debug)]
-struct Pipelines {
+pub(super) struct Pipelines {
     /// `attn_split` specialised for f32, f16 and bf16 storage.
-    attn: [wgpu::ComputePipeline; 3],
-    weights: wgpu::ComputePipeline,
-    merge: wgpu::ComputePipeline,
+    pub(super) attn: [wgpu::ComputePipeline; 3],
+    pub(super) weights: wgpu::ComputePipeline,
+    pub(super) merge: wgpu::ComputePipeline,
 }
 
 /// Idle device buffers, reused by size class (powers of two) and usage.
 #[derive(Debug)]
-struct Pool {
-    free: Mutex<Vec<wgpu::Buffer>>,
+pub(super) struct Pool {
+    pub(super) free: Mutex<Vec<wgpu::Buffer>>,
     /// Largest buffer the pool hands out (bytes).
-    max: u64,
+    pub(super) max: u64,
 }
 
 impl Pool {
-    fn take(&self, device: &wgpu::Device, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+    pub(super) fn take(
+        &self,
+        device: &wgpu::Device,
+        usage: wgpu::BufferUsages,
+        size: u64,
+    ) -> wgpu::Buffer {
         let need = size.max(16).next_multiple_of(16);
         let class = need
             .checked_next_power_of_two()
@@ -111,7 +114,7 @@ impl Pool {
         })
     }
 
-    fn give(&self, bufs: impl IntoIterator<Item = wgpu::Buffer>) {
+    pub(super) fn give(&self, bufs: impl IntoIterator<Item = wgpu::Buffer>) {
         let mut free = lock(&self.free);
         for b in bufs {
             if free.len() < POOL_MAX {
@@ -127,16 +130,16 @@ impl Pool {
 /// Implements [`WindowBackend`], [`DenseAttention`] and [`MergeBackend`].
 /// `Send + Sync`: one backend may serve several threads.
 pub struct WgpuBackend {
-    id: u64,
-    device: wgpu::Device,
-    queue: wgpu::Queue,
-    info: WgpuAdapterInfo,
-    max_dim: u32,
-    max_binding: u64,
-    opts: WgpuOptions,
-    pipes: Pipelines,
-    pool: Pool,
-    errors: Arc<Mutex<Option<String>>>,
+    pub(super) id: u64,
+    pub(super) device: wgpu::Device,
+    pub(super) queue: wgpu::Queue,
+    pub(super) info: WgpuAdapterInfo,
+    pub(super) max_dim: u32,
+    pub(super) max_binding: u64,
+    pub(super) opts: WgpuOptions,
+    pub(super) pipes: Pipelines,
+    pub(super) pool: Pool,
+    pub(super) errors: Arc<Mutex<Option<String>>>,
 }
 
 impl fmt::Debug for WgpuBackend {
@@ -286,7 +289,7 @@ impl WgpuBackend {
         &self.opts
     }
 
-    fn take_error(&self) -> Result<()> {
+    pub(super) fn take_error(&self) -> Result<()> {
         match lock(&self.errors).take() {
             Some(e) => Err(backend_err(e)),
             None => Ok(()),
@@ -294,7 +297,7 @@ impl WgpuBackend {
     }
 
     /// Runs `f` inside validation and out-of-memory error scopes.
-    fn scoped<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+    pub(super) fn scoped<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
         let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let val = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let out = f();
@@ -307,7 +310,7 @@ impl WgpuBackend {
         Ok(out)
     }
 
-    fn own(&self, what: &'static str, owner: u64) -> Result<()> {
+    pub(super) fn own(&self, what: &'static str, owner: u64) -> Result<()> {
         if owner == self.id {
             Ok(())
         } else {
@@ -319,7 +322,7 @@ impl WgpuBackend {
         }
     }
 
-    fn check_bytes(&self, what: &'static str, bytes: u128) -> Result<u64> {
+    pub(super) fn check_bytes(&self, what: &'static str, bytes: u128) -> Result<u64> {
         if bytes <= self.max_binding as u128 {
             Ok(bytes as u64)
         } else {
@@ -331,12 +334,12 @@ impl WgpuBackend {
         }
     }
 
-    fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
+    pub(super) fn take(&self, usage: wgpu::BufferUsages, size: u64) -> wgpu::Buffer {
         self.pool.take(&self.device, usage, size)
     }
 
     /// `n` workgroups folded into `(y, z)` under the per-dimension limit.
-    fn fold(&self, n: usize) -> Result<(u32, u32)> {
+    pub(super) fn fold(&self, n: usize) -> Result<(u32, u32)> {
         let max = self.max_dim as usize;
         let y = n.clamp(1, max);
         let z = n.div_ceil(y);
@@ -350,7 +353,11 @@ impl WgpuBackend {
         Ok((y as u32, z as u32))
     }
 
-    fn bind(&self, pipe: &wgpu::ComputePipeline, bufs: &[&wgpu::Buffer]) -> wgpu::BindGroup {
+    pub(super) fn bind(
+        &self,
+        pipe: &wgpu::ComputePipeline,
+        bufs: &[&wgpu::Buffer],
+    ) -> wgpu::BindGroup {
         let layout = pipe.get_bind_group_layout(0);
         let entries: Vec<wgpu::BindGroupEntry<'_>> = bufs
             .iter()
@@ -367,7 +374,7 @@ impl WgpuBackend {
         })
     }
 
-    fn params_buffer(&self, p: &Params) -> wgpu::Buffer {
+    pub(super) fn params_buffer(&self, p: &Params) -> wgpu::Buffer {
         let b = self.take(
             wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             size_of::<Params>() as u64,
@@ -375,340 +382,9 @@ impl WgpuBackend {
         self.queue.write_buffer(&b, 0, bytemuck::bytes_of(p));
         b
     }
-
-    /// Submits the copy of the `n` oldest rows of `w` (K, then V, head-major
-    /// `[kv_heads, n]` rows) into two staging buffers, and starts mapping them.
-    fn copy_oldest(&self, w: &WgpuWindow, n: usize) -> Result<Staged> {
-        let (hk, cap) = (w.spec.shape.kv_heads(), w.spec.capacity);
-        let row_bytes = w.rw * 4;
-        let bytes = (hk * n * row_bytes) as u64;
-        let runs = w.runs(w.head, n);
-        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-        self.scoped(|| {
-            let ks = self.take(usage, bytes);
-            let vs = self.take(usage, bytes);
-            let mut enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("hgca evict"),
-                });
-            for (src, dst) in [(&w.k, &ks), (&w.v, &vs)] {
-                for h in 0..hk {
-                    for &(slot, i0, cnt) in &runs {
-                        if cnt > 0 {
-                            enc.copy_buffer_to_buffer(
-                                src,
-                                ((h * cap + slot) * row_bytes) as u64,
-                                dst,
-                                ((h * n + i0) * row_bytes) as u64,
-                                (cnt * row_bytes) as u64,
-                            );
-                        }
-                    }
-                }
-            }
-            let index = self.queue.submit([enc.finish()]);
-            let rx = start_map(&[(&ks, bytes), (&vs, bytes)]);
-            Staged {
-                head: w.head,
-                n,
-                bytes,
-                ks,
-                vs,
-                index,
-                rx,
-            }
-        })
-    }
-
-    /// Waits for submission `index`, then for `count` map callbacks on `rx`.
-    ///
-    /// With several threads on one device, the callbacks run in whichever
-    /// thread's poll finds them ready: ours may return with nothing to do
-    /// while another thread is still about to call them. So this waits on
-    /// the channel itself (polling in between), up to [`MAP_DEADLINE`],
-    /// instead of counting polls (64 quick polls lost that race in the
-    /// test suite's parallel threads).
-    fn await_map(
-        &self,
-        index: wgpu::SubmissionIndex,
-        rx: &mpsc::Receiver<Result<(), wgpu::BufferAsyncError>>,
-        count: usize,
-    ) -> Result<()> {
-        self.device
-            .poll(wgpu::PollType::Wait {
-                submission_index: Some(index),
-                timeout: None,
-            })
-            .map_err(|e| backend_err(format!("poll: {e}")))?;
-        let deadline = Instant::now() + MAP_DEADLINE;
-        let mut got = 0;
-        loop {
-            while let Ok(r) = rx.try_recv() {
-                self.mapped(r)?;
-                got += 1;
-            }
-            if got >= count {
-                return self.take_error();
-            }
-            self.take_error()?;
-            if Instant::now() >= deadline {
-                return Err(backend_err(format!(
-                    "the staging buffer was not mapped within {MAP_DEADLINE:?} of its submission completing"
-                )));
-            }
-            match rx.recv_timeout(Duration::from_millis(1)) {
-                Ok(r) => {
-                    self.mapped(r)?;
-                    got += 1;
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(backend_err(
-                        "a map callback was dropped without being called",
-                    ));
-                }
-            }
-            self.device
-                .poll(wgpu::PollType::Poll)
-                .map_err(|e| backend_err(format!("poll: {e}")))?;
-        }
-    }
-
-    /// One map callback's result; a failed mapping reports the device's own
-    /// error first when it has one (a lost device or out of memory is the
-    /// cause, the mapping only its symptom).
-    fn mapped(&self, r: std::result::Result<(), wgpu::BufferAsyncError>) -> Result<()> {
-        r.or_else(|e| {
-            self.take_error()?;
-            Err(backend_err(format!("mapping the staging buffer: {e}")))
-        })
-    }
-
-    /// Tokens per split and the number of splits for `len` tokens and `rows` query rows.
-    fn split_plan(&self, len: usize, rows: usize) -> (usize, usize) {
-        if len == 0 {
-            return (1, 1);
-        }
-        let min = self.opts.min_split_tokens as usize;
-        let want = (self.opts.target_workgroups as usize).div_ceil(rows).max(1);
-        let most = len
-            .div_ceil(min)
-            .clamp(1, MAX_SPLITS.min(self.max_dim as usize));
-        let split_len = len.div_ceil(want.min(most));
-        (len.div_ceil(split_len), split_len)
-    }
-
-    /// Submits split-K attention of `n_q` query tokens over `w`; row token
-    /// `i` sees the `clamp(vis0 + i, 0, len)` oldest tokens.
-    fn submit_rows(
-        &self,
-        w: &WgpuWindow,
-        q: &[f32],
-        n_q: usize,
-        vis0: i32,
-        want_weights: bool,
-    ) -> Result<WgpuPending> {
-        let shape = w.spec.shape;
-        let (qh, d) = (shape.q_heads(), shape.head_dim());
-        let layout = PartialLayout::append(&shape, n_q);
-        let rows = layout.rows();
-        let len = w.len;
-        let weights_len = want_weights.then_some(qh * len);
-        if rows == 0 {
-            return Ok(WgpuPending {
-                owner: self.id,
-                layout,
-                weights_len,
-                gpu: None,
-            });
-        }
-        let (splits, split_len) = self.split_plan(len, rows);
-        let (r128, d128, s128) = (rows as u128, d as u128, splits as u128);
-        let q_bytes = self.check_bytes("wgpu query bytes", r128 * d128 * 4)?;
-        let po_bytes = self.check_bytes("wgpu split partial bytes", s128 * r128 * d128 * 4)?;
-        let pl_bytes = self.check_bytes("wgpu split lse bytes", s128 * r128 * 4)?;
-        let res_bytes = self.check_bytes("wgpu result bytes", (r128 * d128 + r128) * 4)?;
-        let w_bytes = match weights_len {
-            Some(n) => self.check_bytes("wgpu weights bytes", n as u128 * 4)?,
-            None => 0,
-        };
-        let with_w = w_bytes > 0;
-        let nblk = len.div_ceil(WG);
-        let params = Params {
-            rows: rows as u32,
-            q_heads: qh as u32,
-            group: shape.group() as u32,
-            d: d as u32,
-            rw: w.rw as u32,
-            cap: w.spec.capacity as u32,
-            start: w.head as u32,
-            len: len as u32,
-            n_splits: splits as u32,
-            split_len: split_len as u32,
-            vis0,
-            want_scores: u32::from(with_w),
-            scale: shape.scale(),
-            n_parts: splits as u32,
-            nblk: nblk as u32,
-            pad: 0,
-        };
-        let (ry, rz) = self.fold(rows)?;
-        let (wy, wz) = self.fold(qh * nblk)?;
-        let st = wgpu::BufferUsages::STORAGE;
-        let cd = wgpu::BufferUsages::COPY_DST;
-        let cs = wgpu::BufferUsages::COPY_SRC;
-        self.scoped(|| {
-            let pbuf = self.params_buffer(&params);
-            let qbuf = self.take(st | cd, q_bytes);
-            self.queue.write_buffer(&qbuf, 0, bytemuck::cast_slice(q));
-            let po = self.take(st, po_bytes);
-            let pl = self.take(st, pl_bytes);
-            let scores = self.take(st, w_bytes);
-            let res = self.take(st | cs, res_bytes);
-            let wbuf = self.take(st | cs, w_bytes);
-            let staging = self.take(wgpu::BufferUsages::MAP_READ | cd, res_bytes + w_bytes);
-            let attn_pipe = &self.pipes.attn[dtype_index(w.spec.dtype)];
-            let bg_attn = self.bind(attn_pipe, &[&pbuf, &qbuf, &w.k, &w.v, &po, &pl, &scores]);
-            let bg_merge = self.bind(&self.pipes.merge, &[&pbuf, &po, &pl, &res]);
-            let bg_w =
-                with_w.then(|| self.bind(&self.pipes.weights, &[&pbuf, &scores, &res, &wbuf]));
-            let mut enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("hgca attention"),
-                });
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("hgca attention"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(attn_pipe);
-                pass.set_bind_group(0, &bg_attn, &[]);
-                pass.dispatch_workgroups(splits as u32, ry, rz);
-                pass.set_pipeline(&self.pipes.merge);
-                pass.set_bind_group(0, &bg_merge, &[]);
-                pass.dispatch_workgroups(1, ry, rz);
-                if let Some(bg) = &bg_w {
-                    pass.set_pipeline(&self.pipes.weights);
-                    pass.set_bind_group(0, bg, &[]);
-                    pass.dispatch_workgroups(1, wy, wz);
-                }
-            }
-            enc.copy_buffer_to_buffer(&res, 0, &staging, 0, res_bytes);
-            if with_w {
-                enc.copy_buffer_to_buffer(&wbuf, 0, &staging, res_bytes, w_bytes);
-            }
-            let index = self.queue.submit([enc.finish()]);
-            let rx = start_map(&[(&staging, res_bytes + w_bytes)]);
-            InFlight {
-                index,
-                staging,
-                res_bytes,
-                w_bytes,
-                rx,
-                keep: vec![pbuf, qbuf, po, pl, scores, res, wbuf],
-            }
-        })
-        .map(|f| WgpuPending {
-            owner: self.id,
-            layout,
-            weights_len,
-            gpu: Some(f),
-        })
-    }
-
-    /// Uploads `parts` and submits their merge; `layout` is checked by the caller.
-    fn submit_merge(&self, parts: &[PartialRef<'_>], layout: PartialLayout) -> Result<InFlight> {
-        let (rows, d) = (layout.rows(), layout.head_dim);
-        let (n, r128, d128) = (parts.len() as u128, rows as u128, d as u128);
-        let po_bytes = self.check_bytes("wgpu merge input bytes", n * r128 * d128 * 4)?;
-        let pl_bytes = self.check_bytes("wgpu merge lse bytes", n * r128 * 4)?;
-        let res_bytes = self.check_bytes("wgpu merge result bytes", (r128 * d128 + r128) * 4)?;
-        let (ry, rz) = self.fold(rows)?;
-        let params = Params {
-            rows: rows as u32,
-            d: d as u32,
-            n_parts: parts.len() as u32,
-            ..Params::default()
-        };
-        let st = wgpu::BufferUsages::STORAGE;
-        let cd = wgpu::BufferUsages::COPY_DST;
-        self.scoped(|| {
-            let pbuf = self.params_buffer(&params);
-            let po = self.take(st | cd, po_bytes);
-            let pl = self.take(st | cd, pl_bytes);
-            let res = self.take(st | wgpu::BufferUsages::COPY_SRC, res_bytes);
-            let staging = self.take(wgpu::BufferUsages::MAP_READ | cd, res_bytes);
-            for (i, p) in parts.iter().enumerate() {
-                if !p.out().is_empty() {
-                    let off = (i * rows * d * 4) as u64;
-                    self.queue
-                        .write_buffer(&po, off, bytemuck::cast_slice(p.out()));
-                }
-                self.queue
-                    .write_buffer(&pl, (i * rows * 4) as u64, bytemuck::cast_slice(p.lse()));
-            }
-            let bg = self.bind(&self.pipes.merge, &[&pbuf, &po, &pl, &res]);
-            let mut enc = self
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("hgca merge"),
-                });
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("hgca merge"),
-                    timestamp_writes: None,
-                });
-                pass.set_pipeline(&self.pipes.merge);
-                pass.set_bind_group(0, &bg, &[]);
-                pass.dispatch_workgroups(1, ry, rz);
-            }
-            enc.copy_buffer_to_buffer(&res, 0, &staging, 0, res_bytes);
-            let index = self.queue.submit([enc.finish()]);
-            let rx = start_map(&[(&staging, res_bytes)]);
-            InFlight {
-                index,
-                staging,
-                res_bytes,
-                w_bytes: 0,
-                rx,
-                keep: vec![pbuf, po, pl, res],
-            }
-        })
-    }
-
-    /// Waits for `f` and copies its result into `out`, `lse` and `weights`.
-    fn finish(
-        &self,
-        f: InFlight,
-        out: &mut [f32],
-        lse: &mut [f32],
-        weights: Option<&mut [f32]>,
-    ) -> Result<()> {
-        self.await_map(f.index.clone(), &f.rx, 1)?;
-        {
-            let view = f
-                .staging
-                .slice(..f.res_bytes + f.w_bytes)
-                .get_mapped_range()
-                .map_err(|e| backend_err(format!("reading the staging buffer: {e}")))?;
-            let (res, wts) = view.split_at(f.res_bytes as usize);
-            let (o, l) = res.split_at(out.len() * 4);
-            read_f32s(o, out);
-            read_f32s(l, lse);
-            if let Some(w) = weights {
-                read_f32s(wts, w);
-            }
-        }
-        f.staging.unmap();
-        self.pool.give(f.keep);
-        self.pool.give([f.staging]);
-        Ok(())
-    }
 }
 
-fn dtype_index(d: DType) -> usize {
+pub(super) fn dtype_index(d: DType) -> usize {
     match d {
         DType::F32 => 0,
         DType::F16 => 1,
@@ -717,438 +393,8 @@ fn dtype_index(d: DType) -> usize {
 }
 
 /// Little-endian f32s from `src` into `dst` (`src.len() == 4 * dst.len()`).
-fn read_f32s(src: &[u8], dst: &mut [f32]) {
+pub(super) fn read_f32s(src: &[u8], dst: &mut [f32]) {
     for (x, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
         *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
-}
-
-/// Rows `i0..i0 + n` of KV head `h` of token-major `src [tokens, hk, d]`,
-/// rounded to `dtype` and laid out as `rw` little-endian 32-bit words per row.
-#[allow(clippy::too_many_arguments)]
-fn encode_rows(
-    dtype: DType,
-    src: &[f32],
-    hk: usize,
-    d: usize,
-    h: usize,
-    i0: usize,
-    n: usize,
-    out: &mut Vec<u8>,
-) {
-    out.clear();
-    for i in i0..i0 + n {
-        let row = &src[(i * hk + h) * d..(i * hk + h + 1) * d];
-        match dtype {
-            DType::F32 => {
-                for &x in row {
-                    out.extend_from_slice(&x.to_le_bytes());
-                }
-            }
-            DType::F16 => {
-                for &x in row {
-                    out.extend_from_slice(&f16::from_f32(x).to_bits().to_le_bytes());
-                }
-            }
-            DType::BF16 => {
-                for &x in row {
-                    out.extend_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
-                }
-            }
-        }
-        if dtype != DType::F32 && d % 2 == 1 {
-            out.extend_from_slice(&[0, 0]);
-        }
-    }
-}
-
-/// A GPU KV window: a ring of `capacity` tokens, `[kv_heads, capacity, d]`
-/// for K and for V in device memory, stored as the spec's dtype (16-bit rows
-/// padded to an even length).
-pub struct WgpuWindow {
-    spec: WindowSpec,
-    owner: u64,
-    /// 32-bit words per row.
-    rw: usize,
-    k: wgpu::Buffer,
-    v: wgpu::Buffer,
-    /// Ring slot of the oldest token.
-    head: usize,
-    len: usize,
-    start_pos: u64,
-    scratch: Vec<u8>,
-    /// A prefetch of the oldest rows, if one was started (in a mutex only
-    /// to keep the window `Sync`: it is reached through `&mut` alone).
-    staged: Mutex<Option<Staged>>,
-    /// Evictions that found their rows prefetched.
-    prefetched: u64,
-}
-
-impl fmt::Debug for WgpuWindow {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WgpuWindow")
-            .field("spec", &self.spec)
-            .field("len", &self.len)
-            .field("start_pos", &self.start_pos)
-            .field("head", &self.head)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KvWindow for WgpuWindow {
-    fn spec(&self) -> &WindowSpec {
-        &self.spec
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn start_pos(&self) -> u64 {
-        self.start_pos
-    }
-}
-
-impl WgpuWindow {
-    /// Evictions so far that found their rows already copied out by
-    /// [`WindowBackend::prefetch_oldest`].
-    pub fn prefetched_evictions(&self) -> u64 {
-        self.prefetched
-    }
-
-    fn staged_mut(&mut self) -> &mut Option<Staged> {
-        self.staged.get_mut().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Ring runs `(slot, offset in the block, count)` of `n` tokens from `slot`.
-    fn runs(&self, slot: usize, n: usize) -> [(usize, usize, usize); 2] {
-        let first = n.min(self.spec.capacity - slot);
-        [(slot, 0, first), (0, first, n - first)]
-    }
-}
-
-/// Starts mapping `bufs` for reading; each callback sends its result.
-fn start_map(bufs: &[(&wgpu::Buffer, u64)]) -> mpsc::Receiver<MapResult> {
-    let (tx, rx) = mpsc::channel();
-    for &(b, bytes) in bufs {
-        let tx = tx.clone();
-        b.slice(..bytes).map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-    }
-    // Only the callbacks hold senders now: a callback dropped without
-    // being called shows as a disconnect, not as the full deadline.
-    drop(tx);
-    rx
-}
-
-type MapResult = std::result::Result<(), wgpu::BufferAsyncError>;
-
-/// The oldest rows of a window copied into staging buffers (by an eviction,
-/// or ahead of it by [`WindowBackend::prefetch_oldest`], then being mapped).
-struct Staged {
-    /// The window's ring head and token count the copy was made for.
-    head: usize,
-    n: usize,
-    bytes: u64,
-    ks: wgpu::Buffer,
-    vs: wgpu::Buffer,
-    index: wgpu::SubmissionIndex,
-    /// The map callbacks' results.
-    rx: mpsc::Receiver<MapResult>,
-}
-
-/// Work submitted by [`WgpuBackend`] and not yet waited for.
-pub struct WgpuPending {
-    owner: u64,
-    layout: PartialLayout,
-    weights_len: Option<usize>,
-    gpu: Option<InFlight>,
-}
-
-struct InFlight {
-    index: wgpu::SubmissionIndex,
-    staging: wgpu::Buffer,
-    res_bytes: u64,
-    w_bytes: u64,
-    rx: mpsc::Receiver<MapResult>,
-    keep: Vec<wgpu::Buffer>,
-}
-
-impl fmt::Debug for WgpuPending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("WgpuPending")
-            .field("layout", &self.layout)
-            .field("weights_len", &self.weights_len)
-            .field("in_flight", &self.gpu.is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-impl WindowBackend for WgpuBackend {
-    type Window = WgpuWindow;
-
-    fn new_window(&self, spec: WindowSpec) -> Result<WgpuWindow> {
-        let shape = spec.shape;
-        let d = shape.head_dim();
-        if d > MAX_HEAD_DIM {
-            return Err(Error::Capacity {
-                what: "wgpu head_dim",
-                capacity: MAX_HEAD_DIM,
-                requested: d,
-            });
-        }
-        let rw = match spec.dtype {
-            DType::F32 => d,
-            DType::F16 | DType::BF16 => d.div_ceil(2),
-        };
-        if spec.capacity > (i32::MAX / 4) as usize {
-            return Err(Error::Capacity {
-                what: "wgpu window capacity",
-                capacity: (i32::MAX / 4) as usize,
-                requested: spec.capacity,
-            });
-        }
-        let bytes = self.check_bytes(
-            "wgpu window bytes (K or V)",
-            shape.kv_heads() as u128 * spec.capacity as u128 * rw as u128 * 4,
-        )?;
-        let (k, v) = self.scoped(|| {
-            let mk = |label| {
-                self.device.create_buffer(&wgpu::BufferDescriptor {
-                    label: Some(label),
-                    size: bytes,
-                    usage: wgpu::BufferUsages::STORAGE
-                        | wgpu::BufferUsages::COPY_DST
-                        | wgpu::BufferUsages::COPY_SRC,
-                    mapped_at_creation: false,
-                })
-            };
-            (mk("hgca window K"), mk("hgca window V"))
-        })?;
-        Ok(WgpuWindow {
-            spec,
-            owner: self.id,
-            rw,
-            k,
-            v,
-            head: 0,
-            len: 0,
-            start_pos: 0,
-            scratch: Vec::new(),
-            staged: Mutex::new(None),
-            prefetched: 0,
-        })
-    }
-
-    fn append(&self, w: &mut WgpuWindow, n: usize, k: &[f32], v: &[f32]) -> Result<()> {
-        self.own("wgpu window", w.owner)?;
-        w.spec.check_append(w.free(), n, k, v)?;
-        let (hk, d) = (w.spec.shape.kv_heads(), w.spec.shape.head_dim());
-        if n == 0 {
-            return Ok(());
-        }
-        let cap = w.spec.capacity;
-        let runs = w.runs((w.head + w.len) % cap, n);
-        let row_bytes = (w.rw * 4) as u64;
-        let mut scratch = std::mem::take(&mut w.scratch);
-        self.scoped(|| {
-            for (src, buf) in [(k, &w.k), (v, &w.v)] {
-                for h in 0..hk {
-                    for &(slot, i0, cnt) in &runs {
-                        if cnt == 0 {
-                            continue;
-                        }
-                        encode_rows(w.spec.dtype, src, hk, d, h, i0, cnt, &mut scratch);
-                        let off = (h * cap + slot) as u64 * row_bytes;
-                        self.queue.write_buffer(buf, off, &scratch);
-                    }
-                }
-            }
-        })?;
-        w.scratch = scratch;
-        w.len += n;
-        Ok(())
-    }
-
-    fn evict_oldest<T: KvElem>(
-        &self,
-        w: &mut WgpuWindow,
-        n: usize,
-        k_out: &mut [T],
-        v_out: &mut [T],
-    ) -> Result<()> {
-        self.own("wgpu window", w.owner)?;
-        w.spec.check_evict(BACKEND, w.len, n, k_out, v_out)?;
-        let d = w.spec.shape.head_dim();
-        if n == 0 {
-            return Ok(());
-        }
-        let (cap, row_bytes) = (w.spec.capacity, w.rw * 4);
-        // A prefetch of exactly these rows is used; any other is dropped.
-        let head = w.head;
-        let staged = w
-            .staged_mut()
-            .take()
-            .filter(|st| st.head == head && st.n == n);
-        let prefetched = staged.is_some();
-        let st = match staged {
-            Some(st) => st,
-            None => self.copy_oldest(w, n)?,
-        };
-        self.await_map(st.index.clone(), &st.rx, 2)?;
-        w.prefetched += u64::from(prefetched);
-        let Staged { ks, vs, bytes, .. } = st;
-        let esz = size_of::<T>();
-        for (stage, out) in [(&ks, k_out), (&vs, v_out)] {
-            {
-                let view = stage
-                    .slice(..bytes)
-                    .get_mapped_range()
-                    .map_err(|e| backend_err(format!("reading evicted rows: {e}")))?;
-                let out: &mut [u8] = bytemuck::cast_slice_mut(out);
-                for (src, dst) in view
-                    .chunks_exact(row_bytes)
-                    .zip(out.chunks_exact_mut(d * esz))
-                {
-                    dst.copy_from_slice(&src[..d * esz]);
-                }
-                if cfg!(target_endian = "big") {
-                    for e in out.chunks_exact_mut(esz) {
-                        e.reverse();
-                    }
-                }
-            }
-            stage.unmap();
-        }
-        self.pool.give([ks, vs]);
-        w.head = (w.head + n) % cap;
-        w.len -= n;
-        w.start_pos += n as u64;
-        Ok(())
-    }
-
-    fn prefetch_oldest(&self, w: &mut WgpuWindow, n: usize) -> Result<()> {
-        self.own("wgpu window", w.owner)?;
-        if n > w.len {
-            return Err(Error::Capacity {
-                what: "window tokens to prefetch",
-                capacity: w.len,
-                requested: n,
-            });
-        }
-        let head = w.head;
-        if n == 0
-            || w.staged_mut()
-                .as_ref()
-                .is_some_and(|st| st.head == head && st.n == n)
-        {
-            return Ok(());
-        }
-        *w.staged_mut() = None;
-        let st = self.copy_oldest(w, n)?;
-        *w.staged_mut() = Some(st);
-        Ok(())
-    }
-}
-
-impl DenseAttention for WgpuBackend {
-    type Pending = WgpuPending;
-
-    fn name(&self) -> String {
-        format!("wgpu {}", self.info.name)
-    }
-
-    fn submit_decode(&self, w: &WgpuWindow, q: &[f32], want_weights: bool) -> Result<WgpuPending> {
-        self.own("wgpu window", w.owner)?;
-        check_len("q", w.spec.shape.q_len(), q.len())?;
-        self.submit_rows(w, q, 1, w.len as i32, want_weights)
-    }
-
-    fn submit_append(&self, w: &WgpuWindow, q: &[f32], n_q: usize, p0: u64) -> Result<WgpuPending> {
-        self.own("wgpu window", w.owner)?;
-        let limit = (i32::MAX / 4) as usize;
-        if n_q > limit {
-            return Err(Error::Capacity {
-                what: "wgpu append queries",
-                capacity: limit,
-                requested: n_q,
-            });
-        }
-        check_len_of("q", &[n_q, w.spec.shape.q_len()], q.len())?;
-        // Query i sees positions <= p0 + i, i.e. the oldest p0 + 1 + i - start_pos tokens.
-        let vis0 = (p0 as i128 + 1 - w.start_pos as i128).clamp(-(n_q as i128) - 1, w.len as i128);
-        self.submit_rows(w, q, n_q, vis0 as i32, false)
-    }
-
-    fn wait(
-        &self,
-        p: WgpuPending,
-        mut out: PartialMut<'_>,
-        weights: Option<&mut [f32]>,
-    ) -> Result<()> {
-        self.own("wgpu pending work", p.owner)?;
-        if out.layout() != p.layout {
-            return Err(Error::ShapeMismatch {
-                what: "wait: partial layout",
-                expected: format!("{:?}", p.layout),
-                found: format!("{:?}", out.layout()),
-            });
-        }
-        let weights = match (weights, p.weights_len) {
-            (Some(w), Some(n)) => {
-                check_len("weights", n, w.len())?;
-                Some(w)
-            }
-            (Some(_), None) => return Err(hgca_kernels::weights_not_requested()),
-            (None, _) => None,
-        };
-        let (o, l) = out.parts_mut();
-        match p.gpu {
-            Some(f) => self.finish(f, o, l, weights),
-            None => Ok(()),
-        }
-    }
-}
-
-impl MergeBackend for WgpuBackend {
-    fn merge(&self, parts: &[PartialRef<'_>], mut dst: PartialMut<'_>) -> Result<()> {
-        let layout = dst.layout();
-        check_layouts(layout, parts.iter().map(PartialRef::layout))?;
-        if layout.rows() == 0 {
-            return Ok(());
-        }
-        if parts.is_empty() {
-            dst.set_empty();
-            return Ok(());
-        }
-        let f = self.submit_merge(parts, layout)?;
-        let (o, l) = dst.parts_mut();
-        self.finish(f, o, l, None)
-    }
-
-    fn merge_into(&self, mut acc: PartialMut<'_>, src: PartialRef<'_>) -> Result<()> {
-        let layout = acc.layout();
-        check_layouts(layout, [src.layout()])?;
-        if layout.rows() == 0 {
-            return Ok(());
-        }
-        let f = self.submit_merge(&[acc.as_ref(), src], layout)?;
-        let (o, l) = acc.parts_mut();
-        self.finish(f, o, l, None)
-    }
-}
-
-fn check_layouts(
-    want: PartialLayout,
-    found: impl IntoIterator<Item = PartialLayout>,
-) -> Result<()> {
-    for l in found {
-        if l != want {
-            return Err(Error::ShapeMismatch {
-                what: "partial layout",
-                expected: format!("{want:?}"),
-                found: format!("{l:?}"),
-            });
-        }
-    }
-    Ok(())
 }

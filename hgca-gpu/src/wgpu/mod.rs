@@ -62,9 +62,19 @@
 use hgca_kernels::{Error, Result};
 
 #[cfg(feature = "wgpu")]
+mod attention;
+#[cfg(feature = "wgpu")]
 mod backend;
 #[cfg(feature = "wgpu")]
-pub use backend::{WgpuBackend, WgpuPending, WgpuWindow};
+mod merge;
+#[cfg(feature = "wgpu")]
+mod window;
+#[cfg(feature = "wgpu")]
+pub use attention::WgpuPending;
+#[cfg(feature = "wgpu")]
+pub use backend::WgpuBackend;
+#[cfg(feature = "wgpu")]
+pub use window::WgpuWindow;
 
 /// The largest head dim the attention kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
