@@ -36,11 +36,27 @@ pub use spec::{
 };
 
 #[cfg(feature = "cuda")]
-mod imp;
+mod attention;
 #[cfg(feature = "cuda")]
-pub use imp::{
-    CudaBackend, CudaPending, CudaWindow, compile_ptx, driver_available, nvrtc_available,
-};
+mod backend;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod merge;
+#[cfg(feature = "cuda")]
+mod nvrtc;
+#[cfg(feature = "cuda")]
+mod timers;
+#[cfg(feature = "cuda")]
+mod window;
+#[cfg(feature = "cuda")]
+pub use attention::CudaPending;
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use nvrtc::{compile_ptx, driver_available, nvrtc_available};
+#[cfg(feature = "cuda")]
+pub use window::CudaWindow;
 
 #[cfg(not(feature = "cuda"))]
 mod off {
