@@ -4,7 +4,10 @@
 
 use std::sync::Arc;
 
-use super::{Cli, bar, full_factory, load, read_tokens};
+use crate::cli::Cli;
+use crate::factory::full_factory;
+use crate::load::{load, read_tokens};
+use crate::progress::bar;
 use hgca_llm::{PplOptions, Result, SparseFfn, perplexity, perplexity_with};
 
 /// Options of the ffn command.

@@ -28,17 +28,22 @@ mod error;
 pub mod gguf;
 mod model;
 mod ppl;
+mod profile;
+mod sparse_ffn;
 pub mod synth;
+mod threads;
 mod tokenizer;
+mod weights;
 
 pub use error::{Error, Result};
 pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
-pub use model::{
-    AUTO_DENSE_ROWS, BoxedAttention, CandleThreads, FfnCount, Llama, LlamaWeights, Logits, Profile,
-    SparseFfn, WeightFormat, argmax, cpu_backend, full_attention, log_prob,
-};
+pub use model::{BoxedAttention, Llama, Logits, argmax, full_attention, log_prob};
 pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
+pub use profile::Profile;
+pub use sparse_ffn::{FfnCount, SparseFfn};
+pub use threads::{CandleThreads, cpu_backend};
 pub use tokenizer::GgufTokenizer;
+pub use weights::{AUTO_DENSE_ROWS, LlamaWeights, WeightFormat};
 
 /// Where `scripts/fetch-model.sh` puts the model, relative to the repository root.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

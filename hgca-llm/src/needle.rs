@@ -13,7 +13,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::{AttnKind, Cli, SelCount, bar, full_factory, hybrid_factory, load, parse_recovery};
+use crate::cli::{AttnKind, Cli};
+use crate::factory::{SelCount, full_factory, hybrid_factory, parse_recovery};
+use crate::load::load;
+use crate::progress::bar;
 use hgca_hybrid::HybridConfig;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
 

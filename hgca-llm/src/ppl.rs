@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use hgca_kernels::AttnShape;
 
-use crate::model::{BoxedAttention, Llama, LlamaWeights, Logits, SparseFfn, log_prob};
+use crate::model::{BoxedAttention, Llama, Logits, log_prob};
+use crate::sparse_ffn::SparseFfn;
+use crate::weights::LlamaWeights;
 use crate::{Error, Result};
 
 /// How [`perplexity`] walks the tokens.
