@@ -888,7 +888,7 @@ fn bad_input_is_a_typed_error() {
     let mut w = vec![0.0; 3];
     assert!(
         b.sparse_decode(&shape, &p.q, &p.kv(), &ok, out.as_mut(), Some(&mut w))
-            .is_err()
+            .is_err_and(|e| matches!(e, Error::Length { .. }))
     );
     let other = AttnShape::new(4, 1, 8).unwrap();
     assert!(
@@ -900,12 +900,24 @@ fn bad_input_is_a_typed_error() {
             out.as_mut(),
             None
         )
-        .is_err()
+        .is_err_and(|e| matches!(
+            e,
+            Error::ShapeMismatch {
+                what: "kv source (kv_heads, head_dim)",
+                ..
+            }
+        ))
     );
     let mut wrong = Partial::poisoned(PartialLayout::append(&shape, 2));
     assert!(
         b.dense_decode(&shape, &p.q, &p.kv(), wrong.as_mut(), None)
-            .is_err()
+            .is_err_and(|e| matches!(
+                e,
+                Error::ShapeMismatch {
+                    what: "output partial",
+                    ..
+                }
+            ))
     );
     let mut chosen = Selection::new();
     let e = b
@@ -930,7 +942,14 @@ fn bad_input_is_a_typed_error() {
             out.as_mut(),
             &mut chosen
         )
-        .is_err()
+        .is_err_and(|e| matches!(
+            e,
+            Error::Length {
+                what: "maw",
+                expected: 20,
+                found: 19
+            }
+        ))
     );
 }
 

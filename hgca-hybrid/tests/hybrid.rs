@@ -276,17 +276,38 @@ fn bad_config_and_input_are_typed_errors() {
     assert!(
         layer
             .forward(&[0.0; 32], &[0.0; 15], &[0.0; 16], 1, &mut out)
-            .is_err()
+            .is_err_and(|e| matches!(
+                e,
+                Error::Length {
+                    what: "k",
+                    expected: 16,
+                    found: 15
+                }
+            ))
     );
     assert!(
         layer
             .forward(&[0.0; 31], &[0.0; 16], &[0.0; 16], 1, &mut out)
-            .is_err()
+            .is_err_and(|e| matches!(
+                e,
+                Error::Length {
+                    what: "q",
+                    expected: 32,
+                    found: 31
+                }
+            ))
     );
     assert!(
         layer
             .forward(&[0.0; 32], &[0.0; 16], &[0.0; 16], 1, &mut out[..5])
-            .is_err()
+            .is_err_and(|e| matches!(
+                e,
+                Error::Length {
+                    what: "out",
+                    expected: 32,
+                    found: 5
+                }
+            ))
     );
     assert_eq!(layer.len(), 1);
 }

@@ -88,19 +88,6 @@ impl Alpha {
     }
 }
 
-/// `maw[i] <- alpha * maw[i] + (1 - alpha) * weights[i]` for every `i`.
-///
-/// # Errors
-/// [`Error::Length`] when the slices differ in length.
-pub fn maw_update(maw: &mut [f32], weights: &[f32], alpha: Alpha) -> Result<()> {
-    check_len("maw weights", maw.len(), weights.len())?;
-    let a = alpha.get();
-    for (m, &w) in maw.iter_mut().zip(weights) {
-        *m = a * *m + (1.0 - a) * w;
-    }
-    Ok(())
-}
-
 /// `maw[idx[i]] <- alpha * maw[idx[i]] + (1 - alpha) * weights[i]`: the update of
 /// the CPU entries that were attended.
 ///

@@ -127,10 +127,6 @@ impl Partial {
             lse: &mut self.lse,
         }
     }
-    /// Consumes into `(out, lse)`.
-    pub fn into_vecs(self) -> (Vec<f32>, Vec<f32>) {
-        (self.out, self.lse)
-    }
 }
 
 /// A borrowed partial result.

@@ -262,8 +262,25 @@ fn layout_mismatch_is_a_typed_error() {
     let e = merge(&[a.as_ref(), b.as_ref()], out.as_mut()).unwrap_err();
     assert!(matches!(e, Error::ShapeMismatch { .. }), "{e}");
     let mut acc = a.clone();
-    assert!(merge_into(acc.as_mut(), b.as_ref()).is_err());
-    assert!(PartialRef::new(a.layout(), &[0.0; 2], &[0.0]).is_err());
+    assert!(
+        merge_into(acc.as_mut(), b.as_ref()).is_err_and(|e| matches!(
+            e,
+            Error::ShapeMismatch {
+                what: "partial layout",
+                ..
+            }
+        ))
+    );
+    assert!(
+        PartialRef::new(a.layout(), &[0.0; 2], &[0.0]).is_err_and(|e| matches!(
+            e,
+            Error::Length {
+                what: "partial out",
+                expected: 3,
+                found: 2
+            }
+        ))
+    );
 }
 
 #[test]
