@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::synthetic::{Harness, StepAccuracy, Synth, SynthSpec};
+use hgca_eval::{Harness, StepAccuracy, Synth, SynthSpec};
 use hgca_hybrid::{HybridAttention, HybridConfig, Recovery};
 use hgca_kernels::{AttnShape, DenseAttention, Error, Result, f16};
 use indicatif::{ProgressBar, ProgressStyle};

@@ -18,7 +18,6 @@ pub mod planner;
 mod select;
 mod seq;
 mod stats;
-pub mod synthetic;
 
 pub use batch::{HybridBatch, SeqId};
 pub use config::{HybridConfig, Recovery};

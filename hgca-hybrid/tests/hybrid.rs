@@ -317,7 +317,7 @@ fn bad_config_and_input_are_typed_errors() {
 /// the block-bound recovery keeps it.
 #[test]
 fn recovery_keeps_recall_under_attention_shift() {
-    use hgca_hybrid::synthetic::{Harness, Synth, SynthSpec};
+    use hgca_eval::{Harness, Synth, SynthSpec};
     let shape = AttnShape::new(8, 2, 64).unwrap();
     let run = |recovery, shift: bool| {
         let cfg = HybridConfig {
@@ -343,7 +343,7 @@ fn recovery_keeps_recall_under_attention_shift() {
                 "f32 reference vs hgca-ref: {a:?}"
             );
         }
-        let mean = |f: &dyn Fn(&hgca_hybrid::synthetic::StepAccuracy) -> f64| {
+        let mean = |f: &dyn Fn(&hgca_eval::StepAccuracy) -> f64| {
             acc.iter().map(f).sum::<f64>() / acc.len() as f64
         };
         (
@@ -723,7 +723,7 @@ fn engine_owned_store_runs_the_whole_layer() {
 /// reports an estimate that follows the true recall.
 #[test]
 fn mass_selector_follows_a_scattered_shift() {
-    use hgca_hybrid::synthetic::{Harness, Scattered, StepAccuracy, Synth, SynthSpec};
+    use hgca_eval::{Harness, Scattered, StepAccuracy, Synth, SynthSpec};
     let shape = AttnShape::new(4, 2, 64).unwrap();
     let context = 16384;
     let run = |recovery| -> Vec<(StepAccuracy, Option<f32>)> {

@@ -15,7 +15,7 @@ use hgca_kernels::{
     AttnShape, DenseAttention, KvElem, KvStore, Partial, PartialLayout, Result, SparseAttention,
 };
 
-use crate::HybridAttention;
+use hgca_hybrid::HybridAttention;
 
 /// Shape of a synthetic workload.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -388,7 +388,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> Harness<D, S, T> {
         let kt: Vec<T> = k.iter().map(|&x| T::from_f32(x)).collect();
         let vt: Vec<T> = v.iter().map(|&x| T::from_f32(x)).collect();
         self.all.push_token_major(1, &kt, &vt)?;
-        use crate::SequenceAttention;
+        use hgca_hybrid::SequenceAttention;
         self.layer.forward(&q, &k, &v, 1, &mut self.out)?;
         measure(&self.layer, &self.cpu, &self.all, &q, &self.out)
     }

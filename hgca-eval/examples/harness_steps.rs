@@ -1,8 +1,8 @@
 //! Developer tool: per-step accuracy of the hybrid layer on the synthetic workload.
-//! `cargo run --release -p hgca-hybrid --example harness_steps [context] [steps] [recovery] [shift|scatter]`
+//! `cargo run --release -p hgca-eval --example harness_steps [context] [steps] [recovery] [shift|scatter]`
 //! (`recovery` as `--recovery` takes it: frozen, rescore:16, bounds:32, mass:0.99).
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::synthetic::{Harness, Scattered, Synth, SynthSpec};
+use hgca_eval::{Harness, Scattered, Synth, SynthSpec};
 use hgca_hybrid::{HybridAttention, HybridConfig, Recovery};
 use hgca_kernels::{AttnShape, f16};
 

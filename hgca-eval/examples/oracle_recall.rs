@@ -6,9 +6,9 @@
 //! If the oracle's worst head stays under 99%, no selection rule can do
 //! better on this workload at that share.
 //!
-//! `cargo run --release -p hgca-hybrid --example oracle_recall [context] [queries]`
+//! `cargo run --release -p hgca-eval --example oracle_recall [context] [queries]`
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::synthetic::{Synth, SynthSpec};
+use hgca_eval::{Synth, SynthSpec};
 use hgca_kernels::{AttnShape, KvStore, Partial, PartialLayout, f16};
 
 fn main() -> Result<(), hgca_kernels::Error> {
