@@ -58,8 +58,7 @@ fn beta_alpha_and_selection_validate() {
             && Alpha::new(f32::NAN).is_err_and(|e| matches!(e, Error::Param { what: "alpha", .. }))
     );
     let a = Alpha::new(0.5).unwrap();
-    let mut maw = vec![1.0, 0.0];
-    let mut maw = vec![0.5, 0.5];
+    let mut maw = [0.5, 0.5];
     maw_update_gather(&mut maw, &[1], &[0.0], a).unwrap();
     assert_eq!(maw, [0.5, 0.25]);
     assert!(matches!(
