@@ -32,7 +32,7 @@ mkdir -p target/aarch64
 log=target/aarch64/neon-$cpu.log
 rc=0
 # The portable scalar path is the same Rust on every target and runs
-# natively in the main suite; under qemu (half of this step's ~7 min) only
+# natively in the main suite; under qemu (about half of the 214 s run) only
 # the NEON path and the ISA-independent tests run.
 QEMU_CPU=$cpu /usr/bin/cargo test -p hgca-cpu --target aarch64-unknown-linux-gnu -- --nocapture --skip scalar:: >"$log" 2>&1 || rc=$?
 grep -E '^test result|NEON path|ISA .* runs|panicked|FAILED|^error' "$log" || true

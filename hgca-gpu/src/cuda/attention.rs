@@ -10,7 +10,10 @@ use super::spec::{APPEND_ROWS, BLOCK_THREADS};
 
 use super::{backend::*, device::*, window::*};
 
-pub(super) const LOG2_E: f32 = std::f32::consts::LOG2_E;
+/// Weights (f32 elements) from which `wait` copies them out on several threads.
+const PAR_COPY_MIN: usize = 1 << 18;
+
+const LOG2_E: f32 = std::f32::consts::LOG2_E;
 
 #[derive(Debug, Clone, Copy)]
 pub(super) struct DecodePlan {

@@ -11,11 +11,8 @@ use super::spec::KernelSpec;
 
 use super::{backend::*, device::*};
 
-/// Weights (f32 elements) from which `wait` copies them out on several threads.
-pub(super) const PAR_COPY_MIN: usize = 1 << 18;
-
 /// Largest window: ring indices stay below 2^31 in the kernels' `int`s.
-pub(super) const MAX_CAPACITY: usize = 1 << 30;
+const MAX_CAPACITY: usize = 1 << 30;
 
 /// A KV window in device memory: K and V `[kv_heads, capacity, d]` in the
 /// window's dtype, used as a ring.

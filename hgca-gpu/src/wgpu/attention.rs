@@ -10,6 +10,9 @@ use hgca_kernels::{
 
 use super::{backend::*, window::*};
 
+/// Most splits of one split-K decode.
+const MAX_SPLITS: usize = 4096;
+
 impl WgpuBackend {
     /// Tokens per split and the number of splits for `len` tokens and `rows` query rows.
     pub(super) fn split_plan(&self, len: usize, rows: usize) -> (usize, usize) {

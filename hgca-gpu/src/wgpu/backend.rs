@@ -4,38 +4,31 @@
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
 
 use hgca_kernels::{DType, Error, Result};
 
 use super::{WgpuAdapterInfo, WgpuOptions};
 
-/// How long a read-back waits for its map callbacks once the GPU work it
-/// reads has completed (they need only another poll; this bounds a bug).
-pub(super) const MAP_DEADLINE: Duration = Duration::from_secs(60);
-
 pub(super) const BACKEND: &str = "wgpu";
 /// Invocations per workgroup of every kernel (the `64u` in the shaders).
 pub(super) const WG: usize = 64;
-/// Most splits of one split-K decode.
-pub(super) const MAX_SPLITS: usize = 4096;
 /// Most idle buffers the pool keeps.
-pub(super) const POOL_MAX: usize = 64;
+const POOL_MAX: usize = 64;
 
-pub(super) const ATTN_SRC: &str = concat!(
+const ATTN_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/attn.wgsl")
 );
-pub(super) const WEIGHTS_SRC: &str = concat!(
+const WEIGHTS_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/weights.wgsl")
 );
-pub(super) const MERGE_SRC: &str = concat!(
+const MERGE_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/merge.wgsl")
 );
 
-pub(super) static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(super) fn backend_err(message: impl Into<String>) -> Error {
     Error::Backend {

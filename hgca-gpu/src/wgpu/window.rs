@@ -10,6 +10,10 @@ use hgca_kernels::{DType, Error, KvElem, KvWindow, Result, WindowBackend, Window
 use super::MAX_HEAD_DIM;
 use super::backend::*;
 
+/// How long a read-back waits for its map callbacks once the GPU work it
+/// reads has completed (they need only another poll; this bounds a bug).
+const MAP_DEADLINE: Duration = Duration::from_secs(60);
+
 impl WgpuBackend {
     /// Submits the copy of the `n` oldest rows of `w` (K, then V, head-major
     /// `[kv_heads, n]` rows) into two staging buffers, and starts mapping them.
