@@ -13,7 +13,7 @@ use crate::kernel::{
 };
 
 /// Tokens a chunk of the work attends to smallest (smaller splits cost more in merges than they win).
-pub(crate) const MIN_CHUNK: usize = 256;
+const MIN_CHUNK: usize = 256;
 
 /// How one KV head's tokens are given.
 #[derive(Clone, Copy)]
