@@ -31,7 +31,7 @@ impl From<Error> for Fail {
             Error::Unavailable { .. } | Error::Backend { .. } => HGCA_BACKEND,
             _ => HGCA_BACKEND,
         };
-        Fail(s, e.to_string())
+        Fail(s, hgca_kernels::report(&e))
     }
 }
 

@@ -117,10 +117,7 @@ impl CpuBackend {
                 rayon::ThreadPoolBuilder::new()
                     .num_threads(n)
                     .build()
-                    .map_err(|e| Error::Backend {
-                        backend: "cpu",
-                        message: e.to_string(),
-                    })?,
+                    .map_err(|e| Error::backend_from("cpu", "starting the rayon pool", e))?,
             )),
             _ => None,
         };

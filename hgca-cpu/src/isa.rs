@@ -114,9 +114,11 @@ impl Isa {
         Self::available()
             .into_iter()
             .find(|i| i.kind() == kind)
-            .ok_or_else(|| Error::Unavailable {
-                backend: "cpu",
-                reason: format!("this CPU has no {} instructions", kind.name()),
+            .ok_or_else(|| {
+                Error::unavailable(
+                    "cpu",
+                    format!("this CPU has no {} instructions", kind.name()),
+                )
             })
     }
 

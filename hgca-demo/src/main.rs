@@ -39,7 +39,7 @@ fn main() {
         }
     };
     if let Err(e) = r {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", hgca_kernels::report(&e));
         std::process::exit(1);
     }
 }

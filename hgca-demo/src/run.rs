@@ -181,10 +181,10 @@ pub(crate) fn run_best(a: &Args, cfg: HybridConfig, quiet: bool) -> Result<Summa
             return Err(Error::NotCompiledIn { backend, feature });
         }
         _ => {
-            return Err(Error::Unavailable {
-                backend: "demo",
-                reason: format!("unknown --backend {want}: expected auto, cpu, wgpu or cuda"),
-            });
+            return Err(Error::unavailable(
+                "demo",
+                format!("unknown --backend {want}: expected auto, cpu, wgpu or cuda"),
+            ));
         }
     }
     let cpu = CpuBackend::new();

@@ -8,10 +8,7 @@ use crate::run::{config, run_best};
 
 pub(crate) fn sweep(a: &Args) -> Result<()> {
     use plotters::prelude::*;
-    let err = |e: String| Error::Backend {
-        backend: "plotters",
-        message: e,
-    };
+    let err = |e: String| Error::backend("plotters", e);
     // Checked before the runs: the table goes beside the plot, same name, .csv.
     let csv_path = std::path::Path::new(&a.out).with_extension("csv");
     if csv_path == std::path::Path::new(&a.out) {

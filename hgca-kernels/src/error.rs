@@ -1,10 +1,22 @@
-//! The one error type of hgca.
+//! The one error type of hgca, and [`Cause`], the driver error it keeps.
+
+use std::sync::Arc;
 
 /// Everything that can go wrong at hgca's public boundary.
 ///
 /// Every variant says what was expected and what was found, so that a caller
 /// can fix the call without reading hgca's source. Backends wrap their
-/// driver's error in [`Error::Backend`].
+/// driver's error in [`Error::Backend`] (or [`Error::Unavailable`]) and keep
+/// it as the [`source`](std::error::Error::source): the message says what
+/// hgca was doing, the source what the driver said. [`report`] prints both.
+///
+/// ```
+/// use hgca_kernels::{Error, report};
+/// let io = std::io::Error::new(std::io::ErrorKind::NotFound, "libcuda.so.1");
+/// let e = Error::unavailable_from("cuda", "loading the driver", io);
+/// assert_eq!(e.to_string(), "backend `cuda` is unavailable: loading the driver");
+/// assert_eq!(report(&e), "backend `cuda` is unavailable: loading the driver: libcuda.so.1");
+/// ```
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -107,15 +119,133 @@ pub enum Error {
         backend: &'static str,
         /// Why, e.g. the library that could not be loaded.
         reason: String,
+        /// The driver's or loader's own error, when there is one.
+        source: Option<Cause>,
     },
     /// An error reported by a backend's driver or runtime.
     #[error("backend `{backend}` failed: {message}")]
     Backend {
         /// The backend.
         backend: &'static str,
-        /// The driver's message.
+        /// What failed, in hgca's words (the driver's own words are in `source`).
         message: String,
+        /// The driver's or runtime's own error, when there is one.
+        source: Option<Cause>,
     },
+    /// An object (a window, a pending result) was given to a backend
+    /// instance other than the one that made it: device memory and queues
+    /// belong to one instance.
+    #[error("{what} was made by another {backend} backend instance")]
+    ForeignObject {
+        /// The object.
+        what: &'static str,
+        /// The backend it was given to.
+        backend: &'static str,
+    },
+}
+
+impl Error {
+    /// [`Error::Backend`] with no driver error behind it.
+    pub fn backend(backend: &'static str, message: impl Into<String>) -> Self {
+        Self::Backend {
+            backend,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// [`Error::Backend`] for a driver error `cause` met while doing `message`.
+    pub fn backend_from(
+        backend: &'static str,
+        message: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Backend {
+            backend,
+            message: message.into(),
+            source: Some(Cause::new(cause)),
+        }
+    }
+
+    /// [`Error::Unavailable`] with no driver error behind it.
+    pub fn unavailable(backend: &'static str, reason: impl Into<String>) -> Self {
+        Self::Unavailable {
+            backend,
+            reason: reason.into(),
+            source: None,
+        }
+    }
+
+    /// [`Error::Unavailable`] for a driver or loader error `cause`.
+    pub fn unavailable_from(
+        backend: &'static str,
+        reason: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Unavailable {
+            backend,
+            reason: reason.into(),
+            source: Some(Cause::new(cause)),
+        }
+    }
+}
+
+/// A driver's or runtime's error kept as the source of an [`Error`].
+///
+/// Cloning shares it. Two causes are equal when they print the same (so
+/// that [`Error`] stays `PartialEq`). [`Cause::get`] gives the original for
+/// `downcast_ref`.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl Cause {
+    /// Keeps `e`.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self(Arc::new(e))
+    }
+
+    /// The driver's error itself.
+    pub fn get(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl core::fmt::Debug for Cause {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        core::fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl core::fmt::Display for Cause {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        core::fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+/// Transparent: its source is the driver error's own source.
+impl std::error::Error for Cause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+/// `e` and each of its sources, joined by `": "`: the one line to show a
+/// user (the C ABI's last error, Python's exception text, a binary's exit).
+pub fn report(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(c) = next {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        next = c.source();
+    }
+    s
 }
 
 /// `Result` with hgca's [`Error`].

@@ -43,7 +43,7 @@ pub use backend::{
     DenseAttention, KvWindow, MergeBackend, SparseAttention, WindowBackend, WindowSpec,
 };
 pub use dtype::{DType, KvElem};
-pub use error::{Error, Result, check_len, check_len_of, weights_not_requested};
+pub use error::{Cause, Error, Result, check_len, check_len_of, report, weights_not_requested};
 pub use ffn::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, check_neurons};
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};

@@ -3,13 +3,18 @@
 use std::path::PathBuf;
 
 /// Everything that can go wrong loading or running a model.
+///
+/// A variant that wraps another library's error (candle, hgca, I/O) says
+/// what hgca-llm was doing and keeps the error as its
+/// [`source`](std::error::Error::source); print it whole with
+/// [`hgca_kernels::report`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// An error of candle (tensor ops, quantised matmul), without the
     /// backtrace candle captures under `RUST_BACKTRACE`.
-    #[error("candle: {0}")]
-    Candle(candle_core::Error),
+    #[error("candle")]
+    Candle(#[source] candle_core::Error),
     /// A GGUF file is malformed or truncated: one line, the file and the cause.
     #[error("{}: not a usable GGUF file: {msg}", path.display())]
     Gguf {
@@ -19,10 +24,10 @@ pub enum Error {
         msg: String,
     },
     /// An error of the attention layer (hgca).
-    #[error("attention: {0}")]
+    #[error("attention")]
     Attention(#[from] hgca_kernels::Error),
     /// A file could not be opened or read.
-    #[error("{path}: {source}")]
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,

@@ -60,7 +60,7 @@ fn main() {
         } => generate::cmd_generate(&cli, prompt, *max_tokens, *chat, *temperature, *seed),
     };
     if let Err(e) = r {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", hgca_kernels::report(&e));
         std::process::exit(1);
     }
 }

@@ -7,12 +7,12 @@ use pyo3::prelude::*;
 /// hgca's error as the Python exception a caller expects.
 fn py_err(e: Error) -> PyErr {
     match e {
-        Error::UnsupportedDType { .. } => PyTypeError::new_err(e.to_string()),
-        Error::OutOfMemory { .. } => PyMemoryError::new_err(e.to_string()),
+        Error::UnsupportedDType { .. } => PyTypeError::new_err(hgca_kernels::report(&e)),
+        Error::OutOfMemory { .. } => PyMemoryError::new_err(hgca_kernels::report(&e)),
         Error::Backend { .. } | Error::Unavailable { .. } | Error::NotCompiledIn { .. } => {
-            PyRuntimeError::new_err(e.to_string())
+            PyRuntimeError::new_err(hgca_kernels::report(&e))
         }
-        _ => PyValueError::new_err(e.to_string()),
+        _ => PyValueError::new_err(hgca_kernels::report(&e)),
     }
 }
 

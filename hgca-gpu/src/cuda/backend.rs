@@ -15,18 +15,13 @@ use super::{device::*, nvrtc::*, window::*};
 
 pub(super) const BACKEND: &str = "cuda";
 
+/// A CUDA driver API error, kept as the source.
 pub(super) fn drv(e: DriverError) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        message: e.to_string(),
-    }
+    Error::backend_from(BACKEND, "a CUDA driver call", e)
 }
 
 pub(super) fn unavailable(reason: impl Into<String>) -> Error {
-    Error::Unavailable {
-        backend: BACKEND,
-        reason: reason.into(),
-    }
+    Error::unavailable(BACKEND, reason)
 }
 
 pub(super) fn too_big(what: &'static str, requested: usize) -> Error {
@@ -143,9 +138,9 @@ impl CudaBackend {
         if Arc::ptr_eq(&self.dev, &w.dev) {
             Ok(())
         } else {
-            Err(Error::Backend {
+            Err(Error::ForeignObject {
+                what: "cuda window",
                 backend: BACKEND,
-                message: "the window belongs to another CudaBackend".into(),
             })
         }
     }

@@ -16,10 +16,7 @@ use super::spec::KernelSpec;
 use super::{backend::*, nvrtc::*};
 
 pub(super) fn poisoned() -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        message: "a lock was poisoned by a panic in another thread".into(),
-    }
+    Error::backend(BACKEND, "a lock was poisoned by a panic in another thread")
 }
 
 /// The functions of one loaded attention module.
@@ -73,10 +70,8 @@ impl Device {
         }
         let mut it = f.into_iter();
         let mut next = || {
-            it.next().ok_or(Error::Backend {
-                backend: BACKEND,
-                message: "kernel missing from module".into(),
-            })
+            it.next()
+                .ok_or(Error::backend(BACKEND, "kernel missing from module"))
         };
         let fns = Arc::new(AttnFns {
             spec,

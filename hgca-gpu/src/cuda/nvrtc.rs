@@ -21,9 +21,9 @@ pub fn driver_available() -> Result<usize> {
             "the NVIDIA driver library (libcuda.so) was not found",
         ));
     }
-    cudarc::driver::result::init().map_err(|e| unavailable(format!("cuInit failed: {e}")))?;
+    cudarc::driver::result::init().map_err(|e| Error::unavailable_from(BACKEND, "cuInit", e))?;
     let n = cudarc::driver::result::device::get_count()
-        .map_err(|e| unavailable(format!("cuDeviceGetCount failed: {e}")))?;
+        .map_err(|e| Error::unavailable_from(BACKEND, "cuDeviceGetCount", e))?;
     if n <= 0 {
         return Err(unavailable("no CUDA device"));
     }
@@ -56,10 +56,7 @@ pub fn nvrtc_available() -> Result<()> {
 pub fn compile_ptx(source: &str, cc: (u32, u32)) -> Result<String> {
     nvrtc_available()?;
     if source.contains('\0') {
-        return Err(Error::Backend {
-            backend: BACKEND,
-            message: "kernel source contains a NUL byte".into(),
-        });
+        return Err(Error::backend(BACKEND, "kernel source contains a NUL byte"));
     }
     let mut options = vec![
         format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
@@ -76,14 +73,13 @@ pub fn compile_ptx(source: &str, cc: (u32, u32)) -> Result<String> {
         ..Default::default()
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(source, opts).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => Error::Backend {
-            backend: BACKEND,
-            message: format!("NVRTC: {nvrtc}: {}", log.to_string_lossy()),
-        },
-        other => Error::Backend {
-            backend: BACKEND,
-            message: format!("NVRTC: {other}"),
-        },
+        // The log is the compiler's output: hgca's message, not a source.
+        cudarc::nvrtc::CompileError::CompileError { nvrtc, log, .. } => Error::backend_from(
+            BACKEND,
+            format!("NVRTC compile failed: {}", log.to_string_lossy()),
+            nvrtc,
+        ),
+        other => Error::backend_from(BACKEND, "NVRTC", other),
     })?;
     Ok(ptx.to_src())
 }

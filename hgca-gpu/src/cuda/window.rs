@@ -47,10 +47,7 @@ impl KvWindow for CudaWindow {
 
 /// Converts f32 rows into the window dtype's bytes in `dst`.
 pub(super) fn convert_into(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<()> {
-    let bad = |_| Error::Backend {
-        backend: BACKEND,
-        message: "misaligned staging buffer".into(),
-    };
+    let bad = |_| Error::backend(BACKEND, "misaligned staging buffer");
     match dtype {
         DType::F32 => dst.copy_from_slice(bytemuck::cast_slice(src)),
         DType::F16 => bytemuck::try_cast_slice_mut::<u8, f16>(dst)

@@ -161,7 +161,7 @@ impl WgpuBackend {
                 .staging
                 .slice(..f.res_bytes + f.w_bytes)
                 .get_mapped_range()
-                .map_err(|e| backend_err(format!("reading the staging buffer: {e}")))?;
+                .map_err(wgpu_err("reading the staging buffer"))?;
             let (res, wts) = view.split_at(f.res_bytes as usize);
             let (o, l) = res.split_at(out.len() * 4);
             read_f32s(o, out);

@@ -31,10 +31,14 @@ const MERGE_SRC: &str = concat!(
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 pub(super) fn backend_err(message: impl Into<String>) -> Error {
-    Error::Backend {
-        backend: BACKEND,
-        message: message.into(),
-    }
+    Error::backend(BACKEND, message)
+}
+
+/// `cause`, wgpu's own error, met while doing `what`.
+pub(super) fn wgpu_err<E: std::error::Error + Send + Sync + 'static>(
+    what: &str,
+) -> impl FnOnce(E) -> Error + '_ {
+    move |cause| Error::backend_from(BACKEND, what, cause)
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -132,7 +136,7 @@ pub struct WgpuBackend {
     pub(super) opts: WgpuOptions,
     pub(super) pipes: Pipelines,
     pub(super) pool: Pool,
-    pub(super) errors: Arc<Mutex<Option<String>>>,
+    pub(super) errors: Arc<Mutex<Option<Error>>>,
 }
 
 impl fmt::Debug for WgpuBackend {
@@ -176,10 +180,7 @@ impl WgpuBackend {
             force_fallback_adapter: opts.force_fallback_adapter,
             ..Default::default()
         }))
-        .map_err(|e| Error::Unavailable {
-            backend: BACKEND,
-            reason: format!("no wgpu adapter: {e}"),
-        })?;
+        .map_err(|e| Error::unavailable_from(BACKEND, "no wgpu adapter", e))?;
         let features = adapter.features() & wgpu::Features::SHADER_F16;
         // The adapter's real limits: WebGPU's defaults cap storage bindings at 128 MiB.
         let limits = adapter.limits();
@@ -191,7 +192,7 @@ impl WgpuBackend {
             memory_hints: wgpu::MemoryHints::Performance,
             trace: wgpu::Trace::Off,
         }))
-        .map_err(|e| backend_err(format!("request_device: {e}")))?;
+        .map_err(wgpu_err("request_device"))?;
         let ai = adapter.get_info();
         // Word indices in the shaders are u32: keep every binding below 4 GiB.
         let max_binding = limits
@@ -208,14 +209,15 @@ impl WgpuBackend {
             max_workgroups_per_dim: limits.max_compute_workgroups_per_dimension,
         };
 
-        let errors = Arc::new(Mutex::new(None::<String>));
+        let errors = Arc::new(Mutex::new(None::<Error>));
         let slot = Arc::clone(&errors);
         device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            lock(&slot).get_or_insert_with(|| e.to_string());
+            lock(&slot).get_or_insert_with(|| wgpu_err("an uncaptured device error")(e));
         }));
         let slot = Arc::clone(&errors);
         device.set_device_lost_callback(move |reason, msg| {
-            lock(&slot).get_or_insert_with(|| format!("device lost ({reason:?}): {msg}"));
+            lock(&slot)
+                .get_or_insert_with(|| backend_err(format!("device lost ({reason:?}): {msg}")));
         });
 
         let scope = device.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -251,7 +253,7 @@ impl WgpuBackend {
             merge: pipeline(&merge, "merge_rows", &[]),
         };
         if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(backend_err(format!("building the pipelines: {e}")));
+            return Err(wgpu_err("building the pipelines")(e));
         }
         let me = Self {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
@@ -284,7 +286,7 @@ impl WgpuBackend {
 
     pub(super) fn take_error(&self) -> Result<()> {
         match lock(&self.errors).take() {
-            Some(e) => Err(backend_err(e)),
+            Some(e) => Err(e),
             None => Ok(()),
         }
     }
@@ -297,7 +299,7 @@ impl WgpuBackend {
         let e1 = pollster::block_on(val.pop());
         let e2 = pollster::block_on(oom.pop());
         if let Some(e) = e1.or(e2) {
-            return Err(backend_err(e.to_string()));
+            return Err(wgpu_err("a scoped device call")(e));
         }
         self.take_error()?;
         Ok(out)
@@ -307,10 +309,9 @@ impl WgpuBackend {
         if owner == self.id {
             Ok(())
         } else {
-            Err(Error::ShapeMismatch {
+            Err(Error::ForeignObject {
                 what,
-                expected: format!("created by wgpu backend #{}", self.id),
-                found: format!("created by wgpu backend #{owner}"),
+                backend: BACKEND,
             })
         }
     }

@@ -79,7 +79,7 @@ impl WgpuBackend {
                 submission_index: Some(index),
                 timeout: None,
             })
-            .map_err(|e| backend_err(format!("poll: {e}")))?;
+            .map_err(wgpu_err("poll"))?;
         let deadline = Instant::now() + MAP_DEADLINE;
         let mut got = 0;
         loop {
@@ -110,7 +110,7 @@ impl WgpuBackend {
             }
             self.device
                 .poll(wgpu::PollType::Poll)
-                .map_err(|e| backend_err(format!("poll: {e}")))?;
+                .map_err(wgpu_err("poll"))?;
         }
     }
 
@@ -120,7 +120,7 @@ impl WgpuBackend {
     pub(super) fn mapped(&self, r: std::result::Result<(), wgpu::BufferAsyncError>) -> Result<()> {
         r.or_else(|e| {
             self.take_error()?;
-            Err(backend_err(format!("mapping the staging buffer: {e}")))
+            Err(wgpu_err("mapping the staging buffer")(e))
         })
     }
 }
@@ -377,7 +377,7 @@ impl WindowBackend for WgpuBackend {
                 let view = stage
                     .slice(..bytes)
                     .get_mapped_range()
-                    .map_err(|e| backend_err(format!("reading evicted rows: {e}")))?;
+                    .map_err(wgpu_err("reading evicted rows"))?;
                 let out: &mut [u8] = bytemuck::cast_slice_mut(out);
                 for (src, dst) in view
                     .chunks_exact(row_bytes)
