@@ -13,7 +13,7 @@ command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 || need+=(gcc-aarch64-linux-gnu
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     msg="neon-test: missing ${need[*]} and not root"
-    if [ -n "${HGCA_REQUIRE_NEON:-}" ]; then echo "$msg" >&2; exit 1; fi
+    if [[ ",${HGCA_REQUIRE:-}," == *",neon,"* ]]; then echo "$msg" >&2; exit 1; fi
     echo "SKIP: $msg"; exit 0
   fi
   dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
@@ -24,7 +24,9 @@ fi
 export RUSTC=/usr/bin/rustc RUSTDOC=/usr/bin/rustdoc CARGO_TARGET_DIR=target/aarch64
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64
-export HGCA_REQUIRE_ISAS=neon
+# Under qemu the NEON suite may not skip (hgca_testkit::require); the x86
+# ISAs the caller listed do not exist here.
+export HGCA_REQUIRE=neon
 /usr/bin/cargo --version
 cpu=cortex-a53
 echo "== NEON tests under qemu, QEMU_CPU=$cpu (ARMv8.0)"

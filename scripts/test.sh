@@ -10,16 +10,19 @@ start=$(date +%s)
 step() { printf '\n== %s (%ss)\n' "$1" "$(( $(date +%s) - start ))"; }
 
 if [ "${CI:-}" = "true" ]; then
-  export HGCA_REQUIRE_WGPU=1 HGCA_REQUIRE_NVRTC=1 HGCA_REQUIRE_NEON=1
   # A clean clone builds once: incremental state would only be written.
   export CARGO_INCREMENTAL=0
-  # Every x86 ISA the kernel reports must run its conformance suite (read
-  # from /proc/cpuinfo, independently of the library's own detection).
-  isas=""
-  grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && isas="v3"
-  grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && isas="$isas,v4"
-  export HGCA_REQUIRE_ISAS=${isas#,}
+  # What a test may not skip here (hgca_testkit::require): wgpu on Mesa's
+  # software Vulkan, NVRTC and ptxas from PyPI, NEON under qemu, the CPU
+  # facts, and every x86 ISA the kernel reports (read from /proc/cpuinfo,
+  # independently of the library's own detection).
+  req="wgpu,nvrtc,neon,proc-cpuinfo"
+  grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && req="$req,v3"
+  grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && req="$req,v4"
+  export HGCA_REQUIRE=$req
 fi
+# Whether a capability is listed in HGCA_REQUIRE (the shell side of the policy).
+required() { [[ ",${HGCA_REQUIRE:-}," == *",$1,"* ]]; }
 export CARGO_TERM_COLOR=never
 # Mesa's device-select Vulkan layer prints an "error:" line without
 # XDG_RUNTIME_DIR; with one adapter it has nothing to select.
@@ -33,7 +36,7 @@ if [ -f scripts/setup-cuda.sh ]; then
     eval "$cuda_env"
   else
     echo "setup-cuda.sh failed: the CUDA compile checks will not find NVRTC"
-    [ -n "${HGCA_REQUIRE_NVRTC:-}" ] && exit 1
+    required nvrtc && exit 1
   fi
 fi
 

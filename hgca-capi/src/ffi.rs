@@ -21,7 +21,9 @@ impl From<Error> for Fail {
     fn from(e: Error) -> Self {
         let s = match &e {
             Error::Zero { .. } => HGCA_ZERO,
-            Error::GroupMismatch { .. } | Error::ShapeMismatch { .. } => HGCA_SHAPE,
+            Error::GroupMismatch { .. }
+            | Error::ShapeMismatch { .. }
+            | Error::ForeignObject { .. } => HGCA_SHAPE,
             Error::Length { .. } => HGCA_LENGTH,
             Error::Index { .. } => HGCA_INDEX,
             Error::Param { .. } => HGCA_PARAM,

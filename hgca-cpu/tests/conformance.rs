@@ -1077,7 +1077,7 @@ fn calls_from_inside_the_backends_pool_finish() {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn detected_isas_match_proc_cpuinfo() {
     let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
-        eprintln!("SKIP: /proc/cpuinfo unreadable");
+        hgca_testkit::require::skip("proc-cpuinfo", "/proc/cpuinfo unreadable");
         return;
     };
     let flags: std::collections::HashSet<&str> = info
@@ -1108,11 +1108,28 @@ fn detected_isas_match_proc_cpuinfo() {
     eprintln!("ISAs detected, as /proc/cpuinfo allows: {got:?}");
 }
 
-/// Weights at wait without asking at submit: the error every backend gives.
-#[test]
-fn weights_request_errors_are_the_shared_ones() {
-    let r = hgca_testkit::conformance::check_weights_request(&CpuBackend::new());
-    assert!(r.is_ok(), "{}", r.unwrap_err());
+/// The backend on the best ISA here, as an engine would build it.
+fn best() -> Option<&'static CpuBackend> {
+    static B: std::sync::OnceLock<CpuBackend> = std::sync::OnceLock::new();
+    Some(B.get_or_init(CpuBackend::new))
+}
+
+/// A second instance: CPU windows are host memory any instance reads.
+fn other() -> Option<&'static CpuBackend> {
+    static B: std::sync::OnceLock<CpuBackend> = std::sync::OnceLock::new();
+    Some(B.get_or_init(|| CpuBackend::new().with_par(Par::Seq).expect("sequential")))
+}
+
+// The window role (the same suite as wgpu's and CUDA's); the per-ISA
+// suites above check the kernels under it on every ISA.
+hgca_testkit::dense_backend_suite! {
+    mod window_suite;
+    backend: best,
+    other: other,
+    shared_windows: true,
+    max_head_dim: usize::MAX,
+    cases: 64,
+    stress_steps: 1000,
 }
 
 #[test]

@@ -2,10 +2,11 @@
 //!
 //! - `nvrtc_ptxas_*`: compile every kernel with NVRTC for sm_80 and sm_90 and
 //!   run `ptxas -v` on the PTX (no GPU needed). Without NVRTC or ptxas they
-//!   skip with a printed reason, unless `HGCA_REQUIRE_NVRTC=1`, which turns a
-//!   skip into a failure (CI sets it after `scripts/setup-cuda.sh`).
-//! - `gpu_*`: the shared conformance suite on a real GPU; they skip, with a
-//!   printed reason, when there is no driver or no device.
+//!   skip with a printed reason, unless `nvrtc` is listed in `HGCA_REQUIRE`
+//!   (`hgca_testkit::require`; CI lists it after `scripts/setup-cuda.sh`).
+//! - `suite::*`: hgca-testkit's `dense_backend_suite!` on a real GPU, and
+//!   `gpu_*`, what only CUDA has. Without a driver or a device they skip with
+//!   a printed reason, unless `cuda` is listed (`scripts/gpu-check.sh`).
 #![cfg(feature = "cuda")]
 
 use std::path::PathBuf;
@@ -17,21 +18,8 @@ use hgca_gpu::cuda::{
     compile_ptx, nvrtc_available,
 };
 use hgca_kernels::{AttnShape, DType, Error};
-use hgca_testkit::conformance::{check_dense, check_merge_partition};
-use hgca_testkit::{EDGE_SHAPES, arb_shape, arb_spread};
-use proptest::prelude::*;
-
-fn required() -> bool {
-    std::env::var("HGCA_REQUIRE_NVRTC").is_ok_and(|v| v == "1")
-}
-
-/// Prints why a test skips, or fails when `HGCA_REQUIRE_NVRTC=1`.
-fn skip(reason: &str) {
-    if required() {
-        panic!("HGCA_REQUIRE_NVRTC=1, but {reason}");
-    }
-    eprintln!("SKIP: {reason}");
-}
+use hgca_testkit::conformance::check_dense;
+use hgca_testkit::require;
 
 fn ptxas() -> Option<PathBuf> {
     let candidates = std::env::var_os("HGCA_PTXAS")
@@ -114,12 +102,15 @@ fn specs() -> Vec<KernelSpec> {
 #[test]
 fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
     if let Err(e) = nvrtc_available() {
-        skip(&format!("NVRTC is not available ({e})"));
+        require::skip("nvrtc", format!("NVRTC is not available ({e})"));
         return;
     }
     let ptxas = ptxas();
     if ptxas.is_none() {
-        skip("ptxas was not found (set HGCA_PTXAS or put it on PATH); NVRTC-only check follows");
+        require::skip(
+            "nvrtc",
+            "ptxas was not found (set HGCA_PTXAS or put it on PATH); NVRTC-only check follows",
+        );
     }
     let dir = std::env::temp_dir().join(format!("hgca-cuda-ptx-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -221,107 +212,41 @@ fn no_gpu_is_a_typed_error() {
     }
 }
 
-/// One backend for all device tests (kernels compile once per specialisation);
-/// `None`, with the reason printed once, without a usable GPU.
+/// One backend for all device tests (kernels compile once per
+/// specialisation); `None`, with the reason printed, without a usable GPU.
 fn gpu() -> Option<&'static CudaBackend> {
     static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
     // scripts/gpu-check.sh runs the suite a second time with the staged loop.
     let staged = std::env::var("HGCA_CUDA_STAGED").is_ok_and(|v| v == "1");
-    GPU.get_or_init(|| match CudaBackend::new() {
-        Ok(b) => Some(b.with_staged_decode(staged)),
-        Err(e) => {
-            eprintln!("SKIP: device tests: no usable CUDA GPU: {e}");
-            None
-        }
+    GPU.get_or_init(|| {
+        require::available("cuda", CudaBackend::new()).map(|b| b.with_staged_decode(staged))
     })
     .as_ref()
 }
 
-/// Weights at wait without asking at submit: the error every backend gives.
-#[test]
-fn gpu_weights_request_errors_are_the_shared_ones() {
-    let Some(b) = gpu() else { return };
-    let r = hgca_testkit::conformance::check_weights_request(b);
-    assert!(r.is_ok(), "{}", r.unwrap_err());
+/// A second backend on the same device, for the suite's foreign objects.
+fn other_gpu() -> Option<&'static CudaBackend> {
+    static GPU: OnceLock<Option<CudaBackend>> = OnceLock::new();
+    GPU.get_or_init(|| require::available("cuda", CudaBackend::new()))
+        .as_ref()
 }
 
-#[test]
-fn gpu_dense_edge_shapes() {
-    let Some(b) = gpu() else { return };
-    let mut failures = Vec::new();
-    for (i, &(qh, kvh, d, tokens)) in EDGE_SHAPES.iter().enumerate() {
-        let shape = AttnShape::new(qh, kvh, d).unwrap();
-        for dtype in DType::ALL {
-            // No eviction, and a small ring that wraps and evicts.
-            for (capacity, chunk, evict) in [(tokens.max(1), 7, 3), (tokens / 2 + 1, 5, 3)] {
-                for spread in [1.0f32, 100.0] {
-                    let seed = 1000 + i as u64;
-                    if let Err(e) = check_dense(
-                        b, shape, dtype, capacity, tokens, chunk, evict, spread, seed,
-                    ) {
-                        failures.push(format!(
-                            "{qh}/{kvh}/{d} tokens {tokens} {dtype} cap {capacity} spread {spread}: {e}"
-                        ));
-                    }
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+hgca_testkit::dense_backend_suite! {
+    mod suite;
+    backend: gpu,
+    other: other_gpu,
+    shared_windows: false,
+    max_head_dim: usize::MAX,
+    cases: 24,
+    stress_steps: 1000,
 }
 
+/// A long window, the benchmark shape, every dtype: many splits.
 #[test]
 fn gpu_dense_long_window() {
     let Some(b) = gpu() else { return };
     let shape = AttnShape::new(32, 8, 128).unwrap();
     for dtype in DType::ALL {
         check_dense(b, shape, dtype, 3000, 5000, 512, 700, 10.0, 7).unwrap();
-    }
-}
-
-#[test]
-fn gpu_merge_edge_shapes() {
-    let Some(b) = gpu() else { return };
-    for (i, &(qh, kvh, d, tokens)) in EDGE_SHAPES.iter().enumerate() {
-        let shape = AttnShape::new(qh, kvh, d).unwrap();
-        for n_parts in [1, 2, 5] {
-            for spread in [1.0f32, 1e3] {
-                check_merge_partition(b, shape, tokens, spread, n_parts, 77 + i as u64)
-                    .unwrap_or_else(|e| panic!("{qh}/{kvh}/{d} x{n_parts}: {e}"));
-            }
-        }
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
-
-    #[test]
-    fn gpu_dense_random(
-        shape in arb_shape(),
-        spread in arb_spread(),
-        dt in 0usize..3,
-        tokens in 0usize..200,
-        cap in 1usize..120,
-        chunk in 1usize..40,
-        evict in 1usize..40,
-        seed in any::<u64>(),
-    ) {
-        let Some(b) = gpu() else { return Ok(()) };
-        let r = check_dense(b, shape, DType::ALL[dt], cap, tokens, chunk, evict, spread, seed);
-        prop_assert!(r.is_ok(), "{:?}", r);
-    }
-
-    #[test]
-    fn gpu_merge_random(
-        shape in arb_shape(),
-        spread in arb_spread(),
-        tokens in 0usize..100,
-        n_parts in 1usize..6,
-        seed in any::<u64>(),
-    ) {
-        let Some(b) = gpu() else { return Ok(()) };
-        let r = check_merge_partition(b, shape, tokens, spread, n_parts, seed);
-        prop_assert!(r.is_ok(), "{:?}", r);
     }
 }

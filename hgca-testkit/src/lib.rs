@@ -2,14 +2,22 @@
 //!
 //! Problem generators (values that do not hide wrong indexing), per-dtype
 //! tolerances written once, and checks of a backend's partial against
-//! `hgca-ref`. Backends instantiate the generic checks in [`conformance`].
+//! `hgca-ref`. Every window backend instantiates
+//! [`dense_backend_suite!`] (built on [`conformance`] and [`dense`]); every
+//! test that needs what a machine may lack skips through [`require`].
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+pub mod dense;
 pub mod ffn;
+pub mod require;
 mod seq;
 pub mod stress;
+mod suite;
+
+/// Re-exported for [`dense_backend_suite!`].
+pub use proptest;
 
 pub use seq::KvLog;
 

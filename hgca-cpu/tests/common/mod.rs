@@ -51,25 +51,14 @@ impl Executor for ScopedThreads {
 }
 
 /// The backend for `kind`, or `None` (skip, with the reason printed) when
-/// the CPU lacks it. `HGCA_REQUIRE_ISAS=v3,v4` turns the skip into a failure.
+/// the CPU lacks it; a failure instead when the ISA's name (`v3`, `v4`,
+/// `neon`) is listed in `HGCA_REQUIRE` (`hgca_testkit::require`).
 pub fn backend(kind: IsaKind, threads: impl Into<Threads>) -> Option<CpuBackend> {
-    match CpuBackend::new().with_isa(kind) {
-        Ok(b) => Some(match threads.into() {
-            Threads::Par(par) => b.with_par(par).expect("thread pool"),
-            Threads::Exec(n) => b.with_executor(Arc::new(ScopedThreads(n))),
-        }),
-        Err(e) => {
-            let required = std::env::var("HGCA_REQUIRE_ISAS").unwrap_or_default();
-            if required.split(',').any(|r| r.trim() == kind.name()) {
-                panic!(
-                    "ISA {} is required (HGCA_REQUIRE_ISAS) but unavailable: {e}",
-                    kind.name()
-                );
-            }
-            eprintln!("SKIP: ISA {} not available here: {e}", kind.name());
-            None
-        }
-    }
+    let b = hgca_testkit::require::available(kind.name(), CpuBackend::new().with_isa(kind))?;
+    Some(match threads.into() {
+        Threads::Par(par) => b.with_par(par).expect("thread pool"),
+        Threads::Exec(n) => b.with_executor(Arc::new(ScopedThreads(n))),
+    })
 }
 
 /// Instantiates the suite macro `$suite` for every ISA of the target.

@@ -1,6 +1,8 @@
 //! Dense attention on the CUDA window: the split-K decode and causal append
 //! launches, their buffers, and submit/wait ([`CudaPending`]).
 
+use std::sync::Arc;
+
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKernelArg};
 use hgca_kernels::{
     DenseAttention, Error, PartialLayout, PartialMut, Result, check_len, check_len_of,
@@ -50,6 +52,8 @@ pub(super) enum Work {
 /// Work queued by [`CudaBackend`]'s `submit_*`, not yet waited for.
 #[derive(Debug)]
 pub struct CudaPending {
+    /// The device of the backend that submitted it.
+    pub(super) dev: Arc<Device>,
     pub(super) layout: PartialLayout,
     /// Window tokens whose weights come back (decode with `want_weights`).
     pub(super) weights: Option<usize>,
@@ -77,6 +81,7 @@ impl DenseAttention for CudaBackend {
         let weights = want_weights.then_some(window.len);
         if window.len == 0 {
             return Ok(CudaPending {
+                dev: Arc::clone(&self.dev),
                 layout,
                 weights,
                 work: Work::Empty,
@@ -107,6 +112,7 @@ impl DenseAttention for CudaBackend {
         let layout = PartialLayout::append(&shape, n_q);
         if window.len == 0 || n_q == 0 {
             return Ok(CudaPending {
+                dev: Arc::clone(&self.dev),
                 layout,
                 weights: None,
                 work: Work::Empty,
@@ -178,6 +184,12 @@ impl DenseAttention for CudaBackend {
         mut out: PartialMut<'_>,
         weights: Option<&mut [f32]>,
     ) -> Result<()> {
+        if !Arc::ptr_eq(&self.dev, &pending.dev) {
+            return Err(Error::ForeignObject {
+                what: "cuda pending work",
+                backend: BACKEND,
+            });
+        }
         let layout = pending.layout;
         if out.layout() != layout {
             return Err(Error::ShapeMismatch {
@@ -366,6 +378,7 @@ impl CudaBackend {
         let mut host = self.dev.take_pinned(res.len())?;
         dtoh_prefix(&self.dev.compute, res, &mut host)?;
         Ok(CudaPending {
+            dev: Arc::clone(&self.dev),
             layout,
             weights,
             work,
