@@ -26,9 +26,9 @@ log() { echo "gpu-check [$(( $(date +%s) - start ))s]: $*"; }
 if [ "${1:-}" = "--prepare" ]; then
     eval "$(bash scripts/setup-cuda.sh)"
     log "building release test and bench binaries"
-    cargo build --release -p hgca-gpu --features cuda --examples
+    cargo build --release -p hgca-gpu --features cuda,bench-timers --examples
     cargo build --release -p hgca-demo --no-default-features --features cuda
-    exe=$(cargo test --release -p hgca-gpu --features cuda --test cuda --no-run 2>&1 \
+    exe=$(cargo test --release -p hgca-gpu --features cuda,bench-timers --test cuda --no-run 2>&1 \
         | sed -n 's/.*Executable tests\/cuda.rs (\(.*\))/\1/p' | tail -1)
     [ -x "$exe" ] || { echo "gpu-check: test binary not found" >&2; exit 1; }
     rm -rf "$pack" && mkdir -p "$pack"
@@ -133,15 +133,15 @@ export HGCA_REQUIRE=nvrtc,cuda
 
 jobs=$(nproc 2>/dev/null || echo 4)
 log "building (release, --features cuda, $jobs jobs)"
-cargo build --release -j "$jobs" -p hgca-gpu --features cuda --tests --examples
+cargo build --release -j "$jobs" -p hgca-gpu --features cuda,bench-timers --tests --examples
 
 log "CUDA tests (compile report + conformance on the GPU)"
 set -o pipefail
 test_log=$(mktemp)
-cargo test --release -j "$jobs" -p hgca-gpu --features cuda --test cuda -- --nocapture 2>&1 | tee "$test_log"
+cargo test --release -j "$jobs" -p hgca-gpu --features cuda,bench-timers --test cuda -- --nocapture 2>&1 | tee "$test_log"
 
 log "timing decode and merge"
-cargo run --release -j "$jobs" -p hgca-gpu --features cuda --example cuda_bench
+cargo run --release -j "$jobs" -p hgca-gpu --features cuda,bench-timers --example cuda_bench
 if [ -n "$out" ]; then
     mkdir -p "$out"
     cp "$test_log" "$out/cuda_tests.log"

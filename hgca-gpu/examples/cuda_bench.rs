@@ -1,20 +1,21 @@
 //! Times the CUDA decode attention and merge against a device-to-device copy
 //! measured in the same run (the bandwidth yardstick).
 //!
-//! `cargo run --release -p hgca-gpu --features cuda --example cuda_bench`
+//! `cargo run --release -p hgca-gpu --features bench-timers --example cuda_bench`
+//! (the timers are behind their own feature: they are not library API).
 //!
 //! Decode: q_heads 32 / kv_heads 8, d = 128, f16 KV, windows of 4k..256k
 //! tokens. Merge: two partials of an append chunk of 4096 tokens x 32 heads.
 //! Prints GB/s and the fraction of the copy bandwidth; with `OUT` set, also
 //! writes `$OUT/cuda_bench.csv`.
 
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(feature = "bench-timers"))]
 fn main() {
-    eprintln!("cuda_bench needs cargo feature `cuda`");
+    eprintln!("cuda_bench needs cargo feature `bench-timers`");
     std::process::exit(2);
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "bench-timers")]
 fn main() {
     if let Err(e) = run() {
         eprintln!("cuda_bench: {e}");
@@ -22,7 +23,7 @@ fn main() {
     }
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "bench-timers")]
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     use hgca_gpu::cuda::CudaBackend;
     use hgca_kernels::{AttnShape, DType, KvWindow, WindowBackend, WindowSpec};

@@ -236,7 +236,7 @@ hgca_testkit::dense_backend_suite! {
     backend: gpu,
     other: other_gpu,
     shared_windows: false,
-    max_head_dim: usize::MAX,
+    max_head_dim: hgca_gpu::cuda::MAX_HEAD_DIM,
     cases: 24,
     stress_steps: 1000,
 }

@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use hgca_kernels::{
     DenseAttention, Error, PartialLayout, PartialMut, Result, check_len, check_len_of,
 };
 
 use super::spec::{APPEND_ROWS, BLOCK_THREADS};
 
+use super::launch::{AppendArgs, DecodeCombineArgs, DecodeSplitArgs, DecodeWeightsArgs};
 use super::{backend::*, device::*, window::*};
 
 /// Weights (f32 elements) from which `wait` copies them out on several threads.
@@ -148,26 +149,29 @@ impl DenseAttention for CudaBackend {
             // SAFETY: matches hgca_append; q holds n_q * q_heads * d floats, res
             // n_q * q_heads * (d + 1), the ring kv_heads * cap * d elements.
             unsafe {
-                s.launch_builder(&w.fns.append)
-                    .arg(&kp)
-                    .arg(&vp)
-                    .arg(&qp)
-                    .arg(&rp)
-                    .arg(&lp)
-                    .arg(&cap)
-                    .arg(&start)
-                    .arg(&len)
-                    .arg(&rel)
-                    .arg(&nq)
-                    .arg(&group)
-                    .arg(&qhi)
-                    .arg(&qscale)
-                    .launch(launch_cfg(
+                w.fns.append.launch(
+                    s,
+                    launch_cfg(
                         (grid_x, shape.kv_heads() as u32, 1),
                         BLOCK_THREADS,
                         w.fns.spec.append_smem_bytes(),
-                    ))
-                    .map_err(drv)?;
+                    ),
+                    &AppendArgs {
+                        kc: kp,
+                        vc: vp,
+                        q: qp,
+                        out: rp,
+                        lse_out: lp,
+                        cap,
+                        start_slot: start,
+                        len,
+                        rel,
+                        n_q: nq,
+                        group,
+                        q_heads: qhi,
+                        qscale,
+                    },
+                )?;
             }
         }
         let mut p = self.finish_submit(&res, layout, None, Work::Empty)?;
@@ -322,47 +326,56 @@ impl CudaBackend {
         // (K/V: kv_heads * cap * d, q: q_heads * d, partials: splits * q_heads
         // * (d + 1), scores: q_heads * len), all validated at the boundary.
         unsafe {
-            s.launch_builder(&fns.decode)
-                .arg(&kp)
-                .arg(&vp)
-                .arg(&qp)
-                .arg(&po)
-                .arg(&pl)
-                .arg(&w_p)
-                .arg(&cap)
-                .arg(&start)
-                .arg(&len)
-                .arg(&chunk)
-                .arg(&group)
-                .arg(&qhi)
-                .arg(&qscale)
-                .launch(launch_cfg(grid, BLOCK_THREADS, spec.decode_smem_bytes()))
-                .map_err(drv)?;
+            fns.decode.launch(
+                s,
+                launch_cfg(grid, BLOCK_THREADS, spec.decode_smem_bytes()),
+                &DecodeSplitArgs {
+                    kc: kp,
+                    vc: vp,
+                    q: qp,
+                    part_o: po,
+                    part_lse: pl,
+                    scores: w_p,
+                    cap,
+                    start_slot: start,
+                    len,
+                    chunk,
+                    group,
+                    q_heads: qhi,
+                    qscale,
+                },
+            )?;
         }
         // SAFETY: matches hgca_decode_combine; partials as above, out/lse inside `res`.
         unsafe {
-            s.launch_builder(&fns.combine)
-                .arg(&po)
-                .arg(&pl)
-                .arg(&out_p)
-                .arg(&lse_p)
-                .arg(&l2)
-                .arg(&splits)
-                .arg(&qhi)
-                .launch(launch_cfg((qh as u32, 1, 1), BLOCK_THREADS, 0))
-                .map_err(drv)?;
+            fns.combine.launch(
+                s,
+                launch_cfg((qh as u32, 1, 1), BLOCK_THREADS, 0),
+                &DecodeCombineArgs {
+                    part_o: po,
+                    part_lse: pl,
+                    out: out_p,
+                    lse_out: lse_p,
+                    lse2_out: l2,
+                    splits,
+                    q_heads: qhi,
+                },
+            )?;
         }
         if b.want_weights {
             let total = qh * w.len;
             // SAFETY: matches hgca_decode_weights; `w_p` holds q_heads * len floats.
             unsafe {
-                s.launch_builder(&fns.weights)
-                    .arg(&w_p)
-                    .arg(&l2)
-                    .arg(&len)
-                    .arg(&qhi)
-                    .launch(launch_cfg((elementwise_grid(total, 256), 1, 1), 256, 0))
-                    .map_err(drv)?;
+                fns.weights.launch(
+                    s,
+                    launch_cfg((elementwise_grid(total, 256), 1, 1), 256, 0),
+                    &DecodeWeightsArgs {
+                        scores: w_p,
+                        lse2: l2,
+                        len,
+                        q_heads: qhi,
+                    },
+                )?;
             }
         }
         Ok(())

@@ -105,8 +105,9 @@ impl CudaBackend {
         let copy = ctx.new_stream().map_err(drv)?;
         let ptx = cached_ptx(MERGE_CU, cc)?;
         let module = ctx.load_module(Ptx::from_src(ptx)).map_err(drv)?;
-        let merge = module.load_function("hgca_merge").map_err(drv)?;
-        let copy_fn = module.load_function("hgca_copy").map_err(drv)?;
+        let merge = super::launch::Merge::load(&module)?;
+        #[cfg(feature = "bench-timers")]
+        let copy_fn = super::launch::Copy::load(&module)?;
         Ok(Self {
             dev: Arc::new(Device {
                 ctx,
@@ -116,6 +117,7 @@ impl CudaBackend {
                 cc,
                 sms,
                 merge,
+                #[cfg(feature = "bench-timers")]
                 copy_fn,
                 attn: Mutex::new(HashMap::new()),
                 pinned: Mutex::new(Vec::new()),

@@ -5,14 +5,18 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DevicePtr, DeviceRepr, HostSlice, LaunchConfig,
-    PinnedHostSlice,
+    CudaContext, CudaStream, DevicePtr, DeviceRepr, HostSlice, LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::Ptx;
 use hgca_kernels::{Error, Result};
 
 use super::spec::KernelSpec;
 
+#[cfg(feature = "bench-timers")]
+use super::launch::Copy;
+use super::launch::{
+    Append, DecodeCombine, DecodeSplit, DecodeWeights, EvictGather, Merge, RingWrite,
+};
 use super::{backend::*, nvrtc::*};
 
 pub(super) fn poisoned() -> Error {
@@ -23,12 +27,12 @@ pub(super) fn poisoned() -> Error {
 #[derive(Debug)]
 pub(super) struct AttnFns {
     pub(super) spec: KernelSpec,
-    pub(super) decode: CudaFunction,
-    pub(super) combine: CudaFunction,
-    pub(super) weights: CudaFunction,
-    pub(super) append: CudaFunction,
-    pub(super) ring_write: CudaFunction,
-    pub(super) evict: CudaFunction,
+    pub(super) decode: DecodeSplit,
+    pub(super) combine: DecodeCombine,
+    pub(super) weights: DecodeWeights,
+    pub(super) append: Append,
+    pub(super) ring_write: RingWrite,
+    pub(super) evict: EvictGather,
 }
 
 #[derive(Debug)]
@@ -39,48 +43,40 @@ pub(super) struct Device {
     pub(super) name: String,
     pub(super) cc: (u32, u32),
     pub(super) sms: usize,
-    pub(super) merge: CudaFunction,
-    pub(super) copy_fn: CudaFunction,
+    pub(super) merge: Merge,
+    /// The copy yardstick of the benchmark timers.
+    #[cfg(feature = "bench-timers")]
+    pub(super) copy_fn: Copy,
     pub(super) attn: Mutex<HashMap<KernelSpec, Arc<AttnFns>>>,
     pub(super) pinned: Mutex<Vec<PinnedHostSlice<f32>>>,
 }
 
 impl Device {
-    pub(super) fn load(&self, source: &str, names: &[&str]) -> Result<Vec<CudaFunction>> {
-        let ptx = cached_ptx(source, self.cc)?;
-        let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(drv)?;
-        names
-            .iter()
-            .map(|n| module.load_function(n).map_err(drv))
-            .collect()
-    }
-
     pub(super) fn attn(&self, spec: KernelSpec) -> Result<Arc<AttnFns>> {
         if let Some(f) = self.attn.lock().map_err(|_| poisoned())?.get(&spec) {
             return Ok(f.clone());
         }
-        let f = self.load(&spec.source(), &super::spec::ATTENTION_KERNELS)?;
+        let ptx = cached_ptx(&spec.source(), self.cc)?;
+        let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(drv)?;
+        let append = Append::load(&module)?;
         let smem = spec.append_smem_bytes();
         if smem > 48 * 1024 {
-            f[3].set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(drv)?;
+            append
+                .0
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv)?;
         }
-        let mut it = f.into_iter();
-        let mut next = || {
-            it.next()
-                .ok_or(Error::backend(BACKEND, "kernel missing from module"))
-        };
         let fns = Arc::new(AttnFns {
             spec,
-            decode: next()?,
-            combine: next()?,
-            weights: next()?,
-            append: next()?,
-            ring_write: next()?,
-            evict: next()?,
+            decode: DecodeSplit::load(&module)?,
+            combine: DecodeCombine::load(&module)?,
+            weights: DecodeWeights::load(&module)?,
+            append,
+            ring_write: RingWrite::load(&module)?,
+            evict: EvictGather::load(&module)?,
         });
         self.attn
             .lock()
@@ -108,6 +104,7 @@ impl Device {
         }
     }
 
+    #[cfg(feature = "bench-timers")]
     pub(super) fn event(&self) -> Result<cudarc::driver::CudaEvent> {
         self.ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))

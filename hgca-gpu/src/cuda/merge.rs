@@ -1,8 +1,9 @@
 //! The LSE merge of partials on the device.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use hgca_kernels::{Error, MergeBackend, PartialMut, PartialRef, Result};
 
+use super::launch::MergeArgs;
 use super::{backend::*, device::*};
 
 impl MergeBackend for CudaBackend {
@@ -81,16 +82,19 @@ impl CudaBackend {
         // SAFETY: matches hgca_merge; parts hold n_parts * rows * (d + 1)
         // floats, out rows * d, lse rows.
         unsafe {
-            s.launch_builder(&self.dev.merge)
-                .arg(&pop)
-                .arg(&plp)
-                .arg(&op)
-                .arg(&lp)
-                .arg(&np)
-                .arg(&r)
-                .arg(&dd)
-                .launch(launch_cfg((grid, 1, 1), 256, 0))
-                .map_err(drv)?;
+            self.dev.merge.launch(
+                s,
+                launch_cfg((grid, 1, 1), 256, 0),
+                &MergeArgs {
+                    parts_o: pop,
+                    parts_lse: plp,
+                    out: op,
+                    lse: lp,
+                    n_parts: np,
+                    rows: r,
+                    d: dd,
+                },
+            )?;
         }
         Ok(())
     }

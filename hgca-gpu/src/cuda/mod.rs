@@ -42,10 +42,12 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
 mod merge;
 #[cfg(feature = "cuda")]
 mod nvrtc;
-#[cfg(feature = "cuda")]
+#[cfg(feature = "bench-timers")]
 mod timers;
 #[cfg(feature = "cuda")]
 mod window;

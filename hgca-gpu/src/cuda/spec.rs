@@ -12,19 +12,34 @@ pub const ATTENTION_CU: &str = include_str!("attention.cu");
 /// The CUDA C source of the merge kernel and the copy yardstick.
 pub const MERGE_CU: &str = include_str!("merge.cu");
 
+/// The split-K decode kernel, the one that must never spill.
+pub const DECODE_KERNEL: &str = "hgca_decode_split";
+/// The kernel that merges the decode's splits.
+pub const COMBINE_KERNEL: &str = "hgca_decode_combine";
+/// The kernel that turns decode scores into weights.
+pub const WEIGHTS_KERNEL: &str = "hgca_decode_weights";
+/// The causal append attention kernel.
+pub const APPEND_KERNEL: &str = "hgca_append";
+/// The kernel that writes appended rows into the ring.
+pub const RING_WRITE_KERNEL: &str = "hgca_ring_write";
+/// The kernel that gathers evicted rows.
+pub const EVICT_KERNEL: &str = "hgca_evict_gather";
+/// The n-way merge kernel of [`MERGE_CU`].
+pub const MERGE_KERNEL: &str = "hgca_merge";
+/// The copy yardstick of [`MERGE_CU`].
+pub const COPY_KERNEL: &str = "hgca_copy";
+
 /// Entry points of [`ATTENTION_CU`].
 pub const ATTENTION_KERNELS: [&str; 6] = [
     DECODE_KERNEL,
-    "hgca_decode_combine",
-    "hgca_decode_weights",
-    "hgca_append",
-    "hgca_ring_write",
-    "hgca_evict_gather",
+    COMBINE_KERNEL,
+    WEIGHTS_KERNEL,
+    APPEND_KERNEL,
+    RING_WRITE_KERNEL,
+    EVICT_KERNEL,
 ];
 /// Entry points of [`MERGE_CU`].
-pub const MERGE_KERNELS: [&str; 2] = ["hgca_merge", "hgca_copy"];
-/// The split-K decode kernel, the one that must never spill.
-pub const DECODE_KERNEL: &str = "hgca_decode_split";
+pub const MERGE_KERNELS: [&str; 2] = [MERGE_KERNEL, COPY_KERNEL];
 
 /// The largest head dim the CUDA kernels take: the append kernel stages a
 /// 32-token f32 tile of K or V plus 16 query rows in shared memory, which

@@ -1,9 +1,11 @@
 //! Device-side timers for the benchmark example (`examples/cuda_bench.rs`):
-//! decode, merge and host-device copy, timed with CUDA events.
+//! decode, merge and host-device copy, timed with CUDA events. Only with
+//! cargo feature `bench-timers`: measurement tools, not library API.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use hgca_kernels::{Error, Result, check_len};
 
+use super::launch::CopyArgs;
 use super::{backend::*, device::*, window::*};
 
 impl CudaBackend {
@@ -119,12 +121,15 @@ impl CudaBackend {
             let (dp, _dg) = dst.device_ptr_mut(s);
             // SAFETY: matches hgca_copy; both buffers hold n4 float4s.
             unsafe {
-                s.launch_builder(&self.dev.copy_fn)
-                    .arg(&sp)
-                    .arg(&dp)
-                    .arg(&n4u)
-                    .launch(launch_cfg(grid, 256, 0))
-                    .map_err(drv)?;
+                self.dev.copy_fn.launch(
+                    s,
+                    launch_cfg(grid, 256, 0),
+                    &CopyArgs {
+                        src: sp,
+                        dst: dp,
+                        n4: n4u,
+                    },
+                )?;
             }
             Ok(())
         };

@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
 use half::slice::HalfFloatSliceExt;
 use hgca_kernels::{DType, Error, KvElem, KvWindow, Result, WindowBackend, WindowSpec, bf16, f16};
 
 use super::spec::KernelSpec;
 
+use super::launch::{EvictGatherArgs, RingWriteArgs};
 use super::{backend::*, device::*};
 
 /// Largest window: ring indices stay below 2^31 in the kernels' `int`s.
@@ -146,17 +147,20 @@ impl WindowBackend for CudaBackend {
             // SAFETY: matches hgca_ring_write; the staging buffer holds 2 * n *
             // kv_heads * d elements, the ring kv_heads * cap * d, and n <= free.
             unsafe {
-                s.launch_builder(&w.fns.ring_write)
-                    .arg(&kp)
-                    .arg(&vp)
-                    .arg(&sp)
-                    .arg(&vs)
-                    .arg(&cap)
-                    .arg(&write_slot)
-                    .arg(&ni)
-                    .arg(&kvh)
-                    .launch(launch_cfg((elementwise_grid(count, 256), 1, 1), 256, 0))
-                    .map_err(drv)?;
+                w.fns.ring_write.launch(
+                    s,
+                    launch_cfg((elementwise_grid(count, 256), 1, 1), 256, 0),
+                    &RingWriteArgs {
+                        kc: kp,
+                        vc: vp,
+                        ks: sp,
+                        vs,
+                        cap,
+                        write_slot,
+                        n: ni,
+                        kv_heads: kvh,
+                    },
+                )?;
             }
         }
         w.len += n;
@@ -210,17 +214,20 @@ impl WindowBackend for CudaBackend {
             // SAFETY: matches hgca_evict_gather; the staging buffer holds 2 * n *
             // kv_heads * d elements, the ring kv_heads * cap * d, and n <= len.
             unsafe {
-                s.launch_builder(&w.fns.evict)
-                    .arg(&kp)
-                    .arg(&vp)
-                    .arg(&op)
-                    .arg(&vo)
-                    .arg(&cap)
-                    .arg(&start)
-                    .arg(&ni)
-                    .arg(&kvh)
-                    .launch(launch_cfg((elementwise_grid(count, 256), 1, 1), 256, 0))
-                    .map_err(drv)?;
+                w.fns.evict.launch(
+                    s,
+                    launch_cfg((elementwise_grid(count, 256), 1, 1), 256, 0),
+                    &EvictGatherArgs {
+                        kc: kp,
+                        vc: vp,
+                        ko: op,
+                        vo,
+                        cap,
+                        start_slot: start,
+                        n: ni,
+                        kv_heads: kvh,
+                    },
+                )?;
             }
         }
         dtoh_prefix(s, &ed.slice(0..total), eh)?;
