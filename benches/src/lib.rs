@@ -161,7 +161,7 @@ pub fn read_bandwidth(bytes: usize, threads: usize, reps: usize) -> f64 {
 const GATHER_ROW: usize = 256;
 
 /// Random-token read bandwidth in bytes/s, in the access pattern of a
-/// sparse decode ([`gather_sum`]): a K and a V array of `bytes / 2` each,
+/// sparse decode (`gather_sum`): a K and a V array of `bytes / 2` each,
 /// 256-byte rows (f16, d 128), 10% of the tokens at random, sorted; each
 /// thread takes its half of the tokens. Each repetition takes a new
 /// selection, so that a store larger than the cache is not read from it;

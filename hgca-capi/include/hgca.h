@@ -883,8 +883,9 @@ hgca_status hgca_select_by_mass(const float *ub,
                                 size_t reports_len);
 
 /*
- The MAW update of attended entries: `maw[idx[i]] = alpha * maw[idx[i]]
- + (1 - alpha) * weights[i]`. Thread-safe (on distinct `maw`).
+ The MAW update of attended entries:
+ `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`.
+ Thread-safe (on distinct `maw`).
 
  # Safety
  Pointers null or valid for their lengths.

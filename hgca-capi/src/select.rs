@@ -299,8 +299,9 @@ pub unsafe extern "C" fn hgca_select_by_mass(
     })
 }
 
-/// The MAW update of attended entries: `maw[idx[i]] = alpha * maw[idx[i]]
-/// + (1 - alpha) * weights[i]`. Thread-safe (on distinct `maw`).
+/// The MAW update of attended entries:
+/// `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`.
+/// Thread-safe (on distinct `maw`).
 ///
 /// # Safety
 /// Pointers null or valid for their lengths.

@@ -27,7 +27,7 @@ pub enum Recovery {
     /// the attention mass (window included) they leave out is at most
     /// `1 - target`; a head that would need more than `max_share` of the
     /// CPU entries takes all of them that step (counted in
-    /// [`StepStats::dense_heads`]). The estimate: block key bounds drop
+    /// [`StepStats::dense_heads`](crate::StepStats::dense_heads)). The estimate: block key bounds drop
     /// blocks that cannot matter, an int8 copy of the keys scores the rest
     /// (its memory: one byte per key element). The MAW rule is not used;
     /// the sinks are always attended.
@@ -72,7 +72,7 @@ impl std::str::FromStr for Recovery {
     }
 }
 
-/// Configuration of a [`HybridAttention`] layer.
+/// Configuration of a [`HybridAttention`](crate::HybridAttention) layer.
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
     /// Dense window capacity in tokens (the GPU's share of the cache).

@@ -111,9 +111,9 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem> HybridAttention<D, S, T> 
     /// [`Self::with_store`] for another).
     ///
     /// # Errors
-    /// [`Error::Zero`], [`Error::Param`], [`Error::Capacity`] for a bad
+    /// [`Error::Zero`](hgca_kernels::Error::Zero), [`Error::Param`](hgca_kernels::Error::Param), [`Error::Capacity`](hgca_kernels::Error::Capacity) for a bad
     /// config (block 0 or not a power of two, window smaller than a block,
-    /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`]
+    /// NaN or negative beta, alpha outside [0, 1]); [`Error::UnsupportedDType`](hgca_kernels::Error::UnsupportedDType)
     /// when the dense backend cannot store `T`; backend errors creating the window.
     ///
     /// One backend can serve every layer of a model: `&B` and `Arc<B>` are
@@ -151,8 +151,8 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// CPU side reads them where they lie. The store must be empty.
     ///
     /// # Errors
-    /// As [`HybridAttention::new`]; [`Error::ShapeMismatch`] for a store of
-    /// other heads or head dim, [`Error::Capacity`] for a store that
+    /// As [`HybridAttention::new`]; [`Error::ShapeMismatch`](hgca_kernels::Error::ShapeMismatch) for a store of
+    /// other heads or head dim, [`Error::Capacity`](hgca_kernels::Error::Capacity) for a store that
     /// already holds tokens.
     pub fn with_store(
         shape: AttnShape,
@@ -228,7 +228,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// side did not hide.
     ///
     /// # Errors
-    /// [`Error::Length`] when `q` is not `[q_heads, d]`; backend errors.
+    /// [`Error::Length`](hgca_kernels::Error::Length) when `q` is not `[q_heads, d]`; backend errors.
     pub fn time_dense_alone(&self, q: &[f32]) -> Result<Duration> {
         check_len("q", self.l.shape.q_len(), q.len())?;
         let layout = PartialLayout::decode(&self.l.shape);
@@ -265,7 +265,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// ([`SequenceAttention::forward`] with `n = 1`), bit for bit.
     ///
     /// # Errors
-    /// [`Error::Length`] for lengths that do not fit, checked before
+    /// [`Error::Length`](hgca_kernels::Error::Length) for lengths that do not fit, checked before
     /// anything changes; backend errors (tokens held before are never lost).
     pub fn append(&mut self, k: &[f32], v: &[f32], n: usize) -> Result<()> {
         self.seq.append(&self.l, k, v, n)
@@ -276,10 +276,10 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// merged exactly, MAW updated. Writes `out` (`[q_heads, d]`); before
     /// the first token, the empty attention (zeros), and nothing changes.
     /// Each call is a decode step: attending twice without an append decays
-    /// the MAW twice and advances the [`Recovery::Rescore`] schedule.
+    /// the MAW twice and advances the [`Recovery::Rescore`](crate::Recovery::Rescore) schedule.
     ///
     /// # Errors
-    /// [`Error::Length`] for lengths that do not fit (checked first);
+    /// [`Error::Length`](hgca_kernels::Error::Length) for lengths that do not fit (checked first);
     /// backend errors.
     pub fn attend(&mut self, q: &[f32], out: &mut [f32]) -> Result<()> {
         self.seq.attend(&self.l, q, out)
@@ -290,7 +290,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// every entry's MAW against `probe` (one query, `[q_heads, d]`).
     ///
     /// # Errors
-    /// [`Error::Length`] for lengths that do not fit; backend errors.
+    /// [`Error::Length`](hgca_kernels::Error::Length) for lengths that do not fit; backend errors.
     pub fn extend(&mut self, k: &[f32], v: &[f32], n: usize, probe: &[f32]) -> Result<()> {
         check_len("probe", self.l.shape.q_len(), probe.len())?;
         self.seq.append(&self.l, k, v, n)?;

@@ -25,14 +25,14 @@ pub struct StepStats {
     pub sparse: Duration,
     /// Time of the merge and the MAW updates.
     pub merge: Duration,
-    /// [`Recovery::Mass`]: the estimated share of the attention mass the
+    /// [`Recovery::Mass`](crate::Recovery::Mass): the estimated share of the attention mass the
     /// step attended, the mean over KV heads (`None` under the other rules
     /// and on steps that attend everything).
     pub mass_estimated: Option<f32>,
-    /// [`Recovery::Mass`]: KV heads that took every CPU entry this step
+    /// [`Recovery::Mass`](crate::Recovery::Mass): KV heads that took every CPU entry this step
     /// because the target needed more than the max share.
     pub dense_heads: usize,
-    /// [`Recovery::Mass`]: CPU entries whose int8 estimate was read,
+    /// [`Recovery::Mass`](crate::Recovery::Mass): CPU entries whose int8 estimate was read,
     /// summed over KV heads (the others were dropped by block bounds).
     pub estimated_entries: usize,
     /// Wall time of the whole step.

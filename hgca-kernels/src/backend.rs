@@ -277,7 +277,7 @@ pub trait SparseAttention {
 
 /// The LSE merge of partials.
 pub trait MergeBackend {
-    /// N-way merge into `dst`; see [`crate::merge`].
+    /// N-way merge into `dst`; see [`crate::merge()`].
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] when layouts differ.

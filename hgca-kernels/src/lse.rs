@@ -143,7 +143,7 @@ impl Default for LseFormat {
     }
 }
 
-/// The N-way merge ([`crate::merge`]) of partials whose LSE buffers are in
+/// The N-way merge ([`crate::merge()`]) of partials whose LSE buffers are in
 /// `fmt`: `parts[i] = (out_i, lse_i)` with `out_i [tokens, heads, d]` and
 /// `lse_i` in `fmt`, the result written to `out` and `lse` (in `fmt` too).
 /// `out` may not alias a part (Rust's borrows see to it); for an in-place

@@ -55,7 +55,7 @@ fn mul(what: &'static str, a: usize, b: usize) -> Result<usize> {
 }
 
 /// The geometry of a page pool: counts and strides in elements (see the
-/// [module docs](self)).
+/// module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PagedLayout {
     /// Pages in the pool.

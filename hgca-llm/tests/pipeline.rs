@@ -175,14 +175,22 @@ fn bad_inputs_are_typed_errors() {
     ));
     let empty = dir.path().join("empty.gguf");
     std::fs::write(&empty, b"").unwrap();
-    assert!(GgufFile::open(&empty).is_err());
+    assert!(
+        matches!(GgufFile::open(&empty), Err(Error::Gguf { ref msg, .. }) if msg.contains("magic"))
+    );
     let junk = dir.path().join("junk.gguf");
     std::fs::write(&junk, b"GGUF\x03\0\0\0\xff\xff\xff\xff\xff\xff\xff\xff").unwrap();
-    assert!(GgufFile::open(&junk).is_err());
+    assert!(matches!(
+        GgufFile::open(&junk),
+        Err(Error::Gguf { ref msg, .. }) if msg.contains("tensor count")
+    ));
     let bytes = std::fs::read(&path).unwrap();
     let cut = dir.path().join("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    assert!(LlamaWeights::from_path(&cut, WeightFormat::F32).is_err());
+    assert!(matches!(
+        LlamaWeights::from_path(&cut, WeightFormat::F32),
+        Err(Error::Gguf { ref msg, .. }) if msg.contains("does not fit")
+    ));
 
     // Perplexity parameters.
     let ids = [5u32, 6, 7, 8];
@@ -201,8 +209,14 @@ fn bad_inputs_are_typed_errors() {
         chunk: 0,
         ..PplOptions::default()
     };
-    assert!(perplexity(&w, &ids, bad, f, |_| {}).is_err());
-    assert!(perplexity(&w, &ids[..1], PplOptions::default(), f, |_| {}).is_err());
+    assert!(matches!(
+        perplexity(&w, &ids, bad, f, |_| {}),
+        Err(Error::Invalid { what: "chunk", .. })
+    ));
+    assert!(matches!(
+        perplexity(&w, &ids[..1], PplOptions::default(), f, |_| {}),
+        Err(Error::Invalid { what: "tokens", .. })
+    ));
 }
 
 #[test]
@@ -275,7 +289,13 @@ fn perplexity_segments_and_chunks() {
         score_from: 31,
         decode: true,
     };
-    assert!(perplexity(&w, &ids, opts, f, |_| {}).is_err());
+    assert!(matches!(
+        perplexity(&w, &ids, opts, f, |_| {}),
+        Err(Error::Invalid {
+            what: "score_from",
+            ..
+        })
+    ));
 }
 
 #[test]

@@ -20,7 +20,7 @@
 //!   `half`), upload, and scatter into the ring on the compute stream;
 //!   evictions gather the oldest tokens head-major on a second stream and
 //!   copy them to pinned host memory, overlapping queued compute.
-//! - **Merge**: the LSE merge with the special values of [`hgca_kernels::merge`].
+//! - **Merge**: the LSE merge with the special values of [`hgca_kernels::merge()`].
 //!
 //! Without the `cuda` feature, [`CudaBackend::new`] returns
 //! [`hgca_kernels::Error::NotCompiledIn`].

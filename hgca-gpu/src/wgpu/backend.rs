@@ -124,7 +124,8 @@ impl Pool {
 /// The wgpu context: adapter, device and queue, the compute pipelines (built
 /// once) and a pool of reusable device and staging buffers.
 ///
-/// Implements [`WindowBackend`], [`DenseAttention`] and [`MergeBackend`].
+/// Implements [`hgca_kernels::WindowBackend`], [`hgca_kernels::DenseAttention`]
+/// and [`hgca_kernels::MergeBackend`].
 /// `Send + Sync`: one backend may serve several threads.
 pub struct WgpuBackend {
     pub(super) id: u64,
