@@ -11,6 +11,13 @@ use crate::types::hgca_status::{self, *};
 use crate::types::*;
 use crate::views::{batch_of, pool_of, shape_of, with_dtype, write_selection};
 
+/// The CPU kernels of the free functions below: the best ISA, on the
+/// calling thread.
+fn kernels() -> &'static ::hgca_cpu::CpuBackend {
+    static CPU: std::sync::OnceLock<::hgca_cpu::CpuBackend> = std::sync::OnceLock::new();
+    CPU.get_or_init(::hgca_cpu::CpuBackend::new)
+}
+
 /// Key bounds per page and KV head of one cache pool (see `PageBounds`).
 #[derive(Debug)]
 pub struct hgca_page_bounds {
@@ -300,8 +307,9 @@ pub unsafe extern "C" fn hgca_select_by_mass(
 }
 
 /// The MAW update of attended entries:
-/// `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`.
-/// Thread-safe (on distinct `maw`).
+/// `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`, by the
+/// vectorised kernel the hybrid layer's own update runs
+/// (`CpuBackend::decay_accumulate`). Thread-safe (on distinct `maw`).
 ///
 /// # Safety
 /// Pointers null or valid for their lengths.
@@ -321,18 +329,16 @@ pub unsafe extern "C" fn hgca_maw_update_gather(
         let i = unsafe { slice(idx, n, "idx") }?;
         // SAFETY: as above.
         let w = unsafe { slice(weights, n, "weights") }?;
-        Ok(hgca_kernels::maw_update_gather(
-            m,
-            i,
-            w,
-            hgca_kernels::Alpha::new(alpha)?,
-        )?)
+        let a = hgca_kernels::Alpha::new(alpha)?.get();
+        Ok(kernels().decay_accumulate(m, Some(i), a, w, n, &[1.0 - a])?)
     })
 }
 
 /// The paper's threshold rule over `maw [kv_heads, tokens]`: head `g`
 /// selects every `j` with `maw[g][j] > betas[g] / n_gpu` (`betas` has
-/// `kv_heads` entries, none NaN or negative). Thread-safe.
+/// `kv_heads` entries, none NaN or negative; a NaN entry never passes), by
+/// the scan the hybrid layer runs (`CpuBackend::indices_above`).
+/// Thread-safe.
 ///
 /// # Safety
 /// Pointers null or valid for their lengths.
@@ -355,8 +361,14 @@ pub unsafe extern "C" fn hgca_select_threshold(
         // SAFETY: as above.
         let out = unsafe { deref_mut(out, "out") }?;
         let beta = hgca_kernels::Beta::new(b.to_vec())?;
-        let mut sel = Selection::new();
-        hgca_kernels::select_paper(m, tokens, &beta, n_gpu, &mut sel)?;
+        hgca_kernels::check_len_of("maw", &[kv_heads, tokens], m.len())?;
+        let (cpu, mut sel, mut idx) = (kernels(), Selection::new(), Vec::new());
+        for h in 0..kv_heads {
+            idx.clear();
+            let row = &m[h * tokens..(h + 1) * tokens];
+            cpu.indices_above(row, beta.threshold(h, n_gpu), 0, &mut idx);
+            sel.push_head(idx.iter().copied());
+        }
         write_selection(&sel, out)
     })
 }

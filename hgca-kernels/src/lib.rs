@@ -48,7 +48,7 @@ pub use ffn::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, che
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};
-pub use maw::{Alpha, Beta, maw_update_gather, select_paper};
+pub use maw::{Alpha, Beta};
 pub use mem::{HUGE_PAGE, HostBuf};
 pub use merge::{
     ScalarMerge, lse_from_log2, lse_to_log2, merge, merge_into, merge_rows, merge2_row,

@@ -4,12 +4,14 @@
 //! with `a` its attention weight in the latest step, normalised over the
 //! union of GPU and CPU tokens (for GQA, the mean over the query group).
 //! The paper's rule selects entry `j` of KV head `h` for the CPU's sparse
-//! attention when `maw[h][j] > beta_h / n_gpu`.
+//! attention when `maw[h][j] > beta_h / n_gpu` ([`Beta::threshold`]).
+//!
+//! This module holds the rule's parameters, validated; the update and the
+//! scan are the CPU backend's vectorised kernels
+//! (`CpuBackend::decay_accumulate`, `CpuBackend::indices_above`), which the
+//! hybrid layer and the C ABI both run.
 
-use crate::{
-    Error, Result, Selection,
-    error::{check_len, check_len_of},
-};
+use crate::{Error, Result};
 
 /// Per-KV-head `beta` of the paper's selection rule, validated: finite and `>= 0`.
 ///
@@ -86,70 +88,4 @@ impl Alpha {
     pub fn get(self) -> f32 {
         self.0
     }
-}
-
-/// `maw[idx[i]] <- alpha * maw[idx[i]] + (1 - alpha) * weights[i]`: the update of
-/// the CPU entries that were attended.
-///
-/// # Errors
-/// [`Error::Length`] when `idx` and `weights` differ in length, [`Error::Index`]
-/// for an index out of range.
-pub fn maw_update_gather(
-    maw: &mut [f32],
-    idx: &[u32],
-    weights: &[f32],
-    alpha: Alpha,
-) -> Result<()> {
-    check_len("maw weights", idx.len(), weights.len())?;
-    if let Some(&j) = idx.iter().find(|&&j| j as usize >= maw.len()) {
-        return Err(Error::Index {
-            what: "maw index",
-            index: j as usize,
-            len: maw.len(),
-        });
-    }
-    let a = alpha.get();
-    for (&j, &w) in idx.iter().zip(weights) {
-        let m = &mut maw[j as usize];
-        *m = a * *m + (1.0 - a) * w;
-    }
-    Ok(())
-}
-
-/// The paper's rule over a head-major MAW table `[kv_heads, tokens]`: fills
-/// `sel` with, for each head `h`, every `j` with `maw[h][j] > beta_h / n_gpu`.
-///
-/// ```
-/// use hgca_kernels::{select_paper, Beta, Selection};
-/// let maw = [0.5, 0.01, 0.2, /* head 1 */ 0.0, 0.3, 0.0];
-/// let mut sel = Selection::new();
-/// select_paper(&maw, 3, &Beta::uniform(2, 0.3)?, 2, &mut sel)?; // threshold 0.15
-/// assert_eq!(sel.head(0), &[0, 2]);
-/// assert_eq!(sel.head(1), &[1]);
-/// # Ok::<(), hgca_kernels::Error>(())
-/// ```
-///
-/// # Errors
-/// [`Error::Length`] when `maw` is not `beta heads * tokens` long.
-pub fn select_paper(
-    maw: &[f32],
-    tokens: usize,
-    beta: &Beta,
-    n_gpu: usize,
-    sel: &mut Selection,
-) -> Result<()> {
-    let heads = beta.values().len();
-    check_len_of("maw", &[heads, tokens], maw.len())?;
-    sel.clear();
-    for h in 0..heads {
-        let t = beta.threshold(h, n_gpu);
-        let row = &maw[h * tokens..(h + 1) * tokens];
-        sel.push_head(
-            row.iter()
-                .enumerate()
-                .filter(|(_, m)| **m > t)
-                .map(|(j, _)| j as u32),
-        );
-    }
-    Ok(())
 }

@@ -2,7 +2,6 @@
 
 use hgca_kernels::{
     Alpha, AttnShape, Beta, DType, Error, KvSlices, KvSource, KvStore, Selection, WindowSpec,
-    maw_update_gather, select_paper,
 };
 use proptest::prelude::*;
 
@@ -56,31 +55,6 @@ fn beta_alpha_and_selection_validate() {
     assert!(
         Alpha::new(1.5).is_err_and(|e| matches!(e, Error::Param { what: "alpha", .. }))
             && Alpha::new(f32::NAN).is_err_and(|e| matches!(e, Error::Param { what: "alpha", .. }))
-    );
-    let a = Alpha::new(0.5).unwrap();
-    let mut maw = [0.5, 0.5];
-    maw_update_gather(&mut maw, &[1], &[0.0], a).unwrap();
-    assert_eq!(maw, [0.5, 0.25]);
-    assert!(matches!(
-        maw_update_gather(&mut maw, &[2], &[0.0], a),
-        Err(Error::Index {
-            index: 2,
-            len: 2,
-            ..
-        })
-    ));
-    let mut sel = Selection::new();
-    assert!(
-        select_paper(&[0.0; 5], 3, &Beta::uniform(2, 1.0).unwrap(), 4, &mut sel).is_err_and(
-            |e| matches!(
-                e,
-                Error::Length {
-                    what: "maw",
-                    expected: 6,
-                    found: 5
-                }
-            )
-        )
     );
     let sel = Selection::from_heads(&[vec![0u32, 3], vec![]]);
     assert!(matches!(
@@ -180,21 +154,6 @@ proptest! {
         match AttnShape::new(q, kv, d) {
             Ok(s) => prop_assert!(s.q_heads() % s.kv_heads() == 0 && s.head_dim() > 0),
             Err(_) => prop_assert!(q == 0 || kv == 0 || d == 0 || q % kv != 0),
-        }
-    }
-
-    /// The selection rule picks exactly the entries above beta / n_gpu.
-    #[test]
-    fn select_paper_is_the_rule(maw in prop::collection::vec(0.0f32..1.0, 0..64), beta in 0.0f32..4.0, n_gpu in 0usize..50) {
-        let tokens = maw.len() / 2;
-        let maw = &maw[..2 * tokens];
-        let b = Beta::uniform(2, beta).unwrap();
-        let mut sel = Selection::new();
-        select_paper(maw, tokens, &b, n_gpu, &mut sel).unwrap();
-        let t = beta / n_gpu.max(1) as f32;
-        for h in 0..2 {
-            let want: Vec<u32> = (0..tokens as u32).filter(|&j| maw[h * tokens + j as usize] > t).collect();
-            prop_assert_eq!(sel.head(h), &want[..]);
         }
     }
 }
