@@ -884,8 +884,9 @@ hgca_status hgca_select_by_mass(const float *ub,
 
 /*
  The MAW update of attended entries:
- `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`.
- Thread-safe (on distinct `maw`).
+ `maw[idx[i]] = alpha * maw[idx[i]] + (1 - alpha) * weights[i]`, by the
+ vectorised kernel the hybrid layer's own update runs
+ (`CpuBackend::decay_accumulate`). Thread-safe (on distinct `maw`).
 
  # Safety
  Pointers null or valid for their lengths.
@@ -900,7 +901,9 @@ hgca_status hgca_maw_update_gather(float *maw,
 /*
  The paper's threshold rule over `maw [kv_heads, tokens]`: head `g`
  selects every `j` with `maw[g][j] > betas[g] / n_gpu` (`betas` has
- `kv_heads` entries, none NaN or negative). Thread-safe.
+ `kv_heads` entries, none NaN or negative; a NaN entry never passes), by
+ the scan the hybrid layer runs (`CpuBackend::indices_above`).
+ Thread-safe.
 
  # Safety
  Pointers null or valid for their lengths.
