@@ -132,7 +132,7 @@ eval "$(bash scripts/setup-cuda.sh)"
 export HGCA_REQUIRE=nvrtc,cuda
 
 jobs=$(nproc 2>/dev/null || echo 4)
-log "building (release, --features cuda, $jobs jobs)"
+log "building (release, --features cuda,bench-timers, $jobs jobs)"
 cargo build --release -j "$jobs" -p hgca-gpu --features cuda,bench-timers --tests --examples
 
 log "CUDA tests (compile report + conformance on the GPU)"

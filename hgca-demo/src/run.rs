@@ -147,7 +147,7 @@ pub(crate) fn run_best(a: &Args, cfg: HybridConfig, quiet: bool) -> Result<Summa
                 return run(b, name, a, cfg, quiet);
             }
             Err(e) if want == "cuda" => return Err(e),
-            Err(e) if !quiet => eprintln!("CUDA: {e}"),
+            Err(e) if !quiet => eprintln!("CUDA: {}", hgca_kernels::report(&e)),
             Err(_) => {}
         }
     }
@@ -166,7 +166,7 @@ pub(crate) fn run_best(a: &Args, cfg: HybridConfig, quiet: bool) -> Result<Summa
                 b.adapter_info().name
             ),
             Err(e) if want == "wgpu" => return Err(e),
-            Err(e) if !quiet => eprintln!("wgpu: {e}"),
+            Err(e) if !quiet => eprintln!("wgpu: {}", hgca_kernels::report(&e)),
             _ => {}
         }
     }

@@ -18,7 +18,7 @@ fn main() {
 #[cfg(feature = "bench-timers")]
 fn main() {
     if let Err(e) = run() {
-        eprintln!("cuda_bench: {e}");
+        eprintln!("cuda_bench: {}", hgca_kernels::report(&*e));
         std::process::exit(1);
     }
 }

@@ -17,7 +17,7 @@ use hgca_gpu::cuda::{
     ATTENTION_KERNELS, CudaBackend, DECODE_KERNEL, KernelSpec, MERGE_CU, MERGE_KERNELS,
     compile_ptx, nvrtc_available,
 };
-use hgca_kernels::{AttnShape, DType, Error};
+use hgca_kernels::{AttnShape, DType, Error, report};
 use hgca_testkit::conformance::check_dense;
 use hgca_testkit::require;
 
@@ -143,7 +143,7 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
             let ptx = match compile_ptx(src, cc) {
                 Ok(p) => p,
                 Err(e) => {
-                    failures.push(format!("{arch} {label}: NVRTC failed: {e}"));
+                    failures.push(format!("{arch} {label}: NVRTC failed: {}", report(&e)));
                     continue;
                 }
             };
@@ -207,8 +207,8 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
 fn no_gpu_is_a_typed_error() {
     match CudaBackend::new() {
         Ok(b) => println!("GPU present: {}", b.device_name()),
-        Err(Error::Unavailable { reason, .. }) => println!("no GPU, as expected here: {reason}"),
-        Err(e) => panic!("unexpected error without a GPU: {e}"),
+        Err(e @ Error::Unavailable { .. }) => println!("no GPU, as expected here: {}", report(&e)),
+        Err(e) => panic!("unexpected error without a GPU: {}", report(&e)),
     }
 }
 

@@ -144,7 +144,9 @@ pub trait WindowBackend {
     ///
     /// # Errors
     /// [`Error::Length`] for wrong lengths, [`Error::Capacity`] when the
-    /// window has fewer than `n` free slots: evict first, nothing is overwritten.
+    /// window has fewer than `n` free slots: evict first, nothing is overwritten;
+    /// [`Error::ForeignObject`] for a window of another instance whose
+    /// windows live in its own device memory.
     fn append(&self, window: &mut Self::Window, n: usize, k: &[f32], v: &[f32]) -> Result<()>;
 
     /// Removes the `n` oldest tokens, writing them head-major `[kv_heads, n, d]`
@@ -153,7 +155,8 @@ pub trait WindowBackend {
     /// # Errors
     /// [`Error::Capacity`] when fewer than `n` tokens are held,
     /// [`Error::UnsupportedDType`] when `T` is not the window's dtype,
-    /// [`Error::Length`] for wrong output lengths.
+    /// [`Error::Length`] for wrong output lengths, [`Error::ForeignObject`]
+    /// as for [`WindowBackend::append`].
     fn evict_oldest<T: KvElem>(
         &self,
         window: &mut Self::Window,
@@ -172,7 +175,8 @@ pub trait WindowBackend {
     ///
     /// # Errors
     /// [`Error::Capacity`] when the window holds fewer than `n` tokens;
-    /// backend errors.
+    /// [`Error::ForeignObject`] as for [`WindowBackend::append`] (where a
+    /// backend overrides this); backend errors.
     fn prefetch_oldest(&self, window: &mut Self::Window, n: usize) -> Result<()> {
         if n > window.len() {
             return Err(Error::Capacity {
@@ -198,7 +202,8 @@ pub trait DenseAttention: WindowBackend {
     /// the softmax weights of the window tokens.
     ///
     /// # Errors
-    /// [`Error::Length`] for a wrong `q`, backend errors.
+    /// [`Error::Length`] for a wrong `q`, [`Error::ForeignObject`] for a
+    /// window of another instance (device memory), backend errors.
     fn submit_decode(
         &self,
         window: &Self::Window,
@@ -211,7 +216,8 @@ pub trait DenseAttention: WindowBackend {
     /// tokens at positions `<= p0 + i`.
     ///
     /// # Errors
-    /// [`Error::Length`] for a wrong `q`, backend errors.
+    /// [`Error::Length`] for a wrong `q`, [`Error::ForeignObject`] for a
+    /// window of another instance (device memory), backend errors.
     fn submit_append(
         &self,
         window: &Self::Window,
@@ -226,7 +232,8 @@ pub trait DenseAttention: WindowBackend {
     ///
     /// # Errors
     /// [`Error::ShapeMismatch`] / [`Error::Length`] when `out` or `weights`
-    /// does not fit what was submitted, backend errors.
+    /// does not fit what was submitted, [`Error::ForeignObject`] for work
+    /// another instance submitted, backend errors.
     fn wait(
         &self,
         pending: Self::Pending,

@@ -64,7 +64,8 @@ pub fn check_merge_partition<M: MergeBackend>(
         .collect();
     let refs: Vec<PartialRef<'_>> = parts.iter().map(Partial::as_ref).collect();
     let mut out = Partial::poisoned(layout);
-    m.merge(&refs, out.as_mut()).map_err(|e| e.to_string())?;
+    m.merge(&refs, out.as_mut())
+        .map_err(|e| hgca_kernels::report(&e))?;
     let want = p.reference(&sets);
     check_rows(
         layout,
@@ -79,7 +80,7 @@ pub fn check_merge_partition<M: MergeBackend>(
     let mut acc = Partial::empty(layout);
     for part in &refs {
         m.merge_into(acc.as_mut(), *part)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| hgca_kernels::report(&e))?;
     }
     check_rows(
         layout,
@@ -114,7 +115,7 @@ pub fn check_sparse<B: SparseAttention, T: KvElem>(
     let mut out = Partial::poisoned(layout);
     let mut w = vec![f32::NAN; group * sel.total()];
     b.sparse_decode(&shape, &p.q, &p.kv(), sel, out.as_mut(), Some(&mut w))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| hgca_kernels::report(&e))?;
     let sets = sets_from_selection(sel);
     let want = p.reference(&sets);
     check_rows(
@@ -208,8 +209,8 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
 ) -> Result<(), String> {
     let p = Problem::<T>::random(shape, tokens, spread, seed);
     let (hk, d) = (shape.kv_heads(), shape.head_dim());
-    let spec = WindowSpec::new(shape, capacity, T::DTYPE).map_err(|e| e.to_string())?;
-    let mut w = b.new_window(spec).map_err(|e| e.to_string())?;
+    let spec = WindowSpec::new(shape, capacity, T::DTYPE).map_err(|e| hgca_kernels::report(&e))?;
+    let mut w = b.new_window(spec).map_err(|e| hgca_kernels::report(&e))?;
     let (mut start, mut written, mut appends) = (0usize, 0usize, 0usize);
     let (chunk, evict) = (chunk.clamp(1, capacity), evict.clamp(1, capacity));
     while written < tokens {
@@ -219,7 +220,7 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
             let mut ko = vec![T::from_f32(f32::NAN); hk * e * d];
             let mut vo = ko.clone();
             b.evict_oldest(&mut w, e, &mut ko, &mut vo)
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| hgca_kernels::report(&e))?;
             for h in 0..hk {
                 for i in 0..e {
                     let src = (h * tokens + start + i) * d;
@@ -235,7 +236,8 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
         }
         let k = token_major(&p.k32, hk, tokens, d, written, n);
         let v = token_major(&p.v32, hk, tokens, d, written, n);
-        b.append(&mut w, n, &k, &v).map_err(|e| e.to_string())?;
+        b.append(&mut w, n, &k, &v)
+            .map_err(|e| hgca_kernels::report(&e))?;
         written += n;
         appends += 1;
         // Prefetches of the oldest rows: of the count the next eviction
@@ -268,11 +270,13 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
     let set: Vec<usize> = (start..written).collect();
     let sets = vec![set.clone(); hk];
     let layout = PartialLayout::decode(&shape);
-    let pending = b.submit_decode(&w, &p.q, true).map_err(|e| e.to_string())?;
+    let pending = b
+        .submit_decode(&w, &p.q, true)
+        .map_err(|e| hgca_kernels::report(&e))?;
     let mut out = Partial::poisoned(layout);
     let mut weights = vec![f32::NAN; shape.q_heads() * set.len()];
     b.wait(pending, out.as_mut(), Some(&mut weights))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| hgca_kernels::report(&e))?;
     let want = p.reference(&sets);
     check_rows(layout, out.out(), out.lse(), &want, p.vmax, tol)
         .map_err(|e| format!("decode: {e}"))?;
@@ -294,11 +298,13 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
     // The handing-over wait gives the same partial and weights, twice (a
     // backend that swaps buffers gets its own back the second time).
     for _ in 0..2 {
-        let pending = b.submit_decode(&w, &p.q, true).map_err(|e| e.to_string())?;
+        let pending = b
+            .submit_decode(&w, &p.q, true)
+            .map_err(|e| hgca_kernels::report(&e))?;
         let mut again = Partial::poisoned(layout);
         let mut handed = vec![f32::NAN; weights.len()];
         b.wait_weights(pending, again.as_mut(), &mut handed)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| hgca_kernels::report(&e))?;
         if again != out
             || handed
                 .iter()
@@ -318,10 +324,10 @@ fn dense_typed<B: DenseAttention, T: KvElem>(
         let layout = PartialLayout::append(&shape, n_q);
         let pending = b
             .submit_append(&w, &qs, n_q, p0 as u64)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| hgca_kernels::report(&e))?;
         let mut out = Partial::poisoned(layout);
         b.wait(pending, out.as_mut(), None)
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| hgca_kernels::report(&e))?;
         let mut want = Vec::new();
         for i in 0..n_q {
             let sets = vec![(start..=p0 + i).collect::<Vec<_>>(); hk];
@@ -357,21 +363,26 @@ fn bytes_of<T: KvElem>(x: &[T]) -> &[u8] {
 /// A message naming what differed.
 pub fn check_weights_request<B: DenseAttention>(b: &B) -> Result<(), String> {
     use hgca_kernels::{Error, Partial, PartialLayout};
-    let shape = AttnShape::new(4, 2, 8).map_err(|e| e.to_string())?;
-    let spec = WindowSpec::new(shape, 16, DType::F32).map_err(|e| e.to_string())?;
-    let mut w = b.new_window(spec).map_err(|e| e.to_string())?;
+    let shape = AttnShape::new(4, 2, 8).map_err(|e| hgca_kernels::report(&e))?;
+    let spec = WindowSpec::new(shape, 16, DType::F32).map_err(|e| hgca_kernels::report(&e))?;
+    let mut w = b.new_window(spec).map_err(|e| hgca_kernels::report(&e))?;
     let row = vec![0.5f32; 3 * shape.kv_token_len()];
-    b.append(&mut w, 3, &row, &row).map_err(|e| e.to_string())?;
+    b.append(&mut w, 3, &row, &row)
+        .map_err(|e| hgca_kernels::report(&e))?;
     let q = vec![0.25f32; shape.q_len()];
     let layout = PartialLayout::decode(&shape);
     let mut out = Partial::empty(layout);
     let mut weights = vec![0.0f32; shape.q_heads() * 3];
-    let p = b.submit_decode(&w, &q, false).map_err(|e| e.to_string())?;
+    let p = b
+        .submit_decode(&w, &q, false)
+        .map_err(|e| hgca_kernels::report(&e))?;
     match b.wait(p, out.as_mut(), Some(&mut weights)) {
         Err(e) if e.to_string() == hgca_kernels::weights_not_requested().to_string() => {}
         other => return Err(format!("weights not requested at submit: {other:?}")),
     }
-    let p = b.submit_decode(&w, &q, true).map_err(|e| e.to_string())?;
+    let p = b
+        .submit_decode(&w, &q, true)
+        .map_err(|e| hgca_kernels::report(&e))?;
     match b.wait(p, out.as_mut(), Some(&mut weights[1..])) {
         Err(Error::Length {
             what: "weights", ..

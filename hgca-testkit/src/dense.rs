@@ -13,11 +13,11 @@ use crate::conformance::{check_dense, check_merge_partition};
 use crate::{EDGE_SHAPES, Rng};
 
 fn shape(qh: usize, kh: usize, d: usize) -> Result<AttnShape, String> {
-    AttnShape::new(qh, kh, d).map_err(|e| e.to_string())
+    AttnShape::new(qh, kh, d).map_err(|e| hgca_kernels::report(&e))
 }
 
 fn text<T>(r: hgca_kernels::Result<T>) -> Result<T, String> {
-    r.map_err(|e| e.to_string())
+    r.map_err(|e| hgca_kernels::report(&e))
 }
 
 /// `r` must be an error matching `ok`; `what` names the call.
@@ -28,7 +28,7 @@ fn expect_err<T>(
 ) -> Result<(), String> {
     match r {
         Err(e) if ok(&e) => Ok(()),
-        Err(e) => Err(format!("{what}: {e:?}")),
+        Err(e) => Err(format!("{what}: {e:?} ({})", hgca_kernels::report(&e))),
         Ok(_) => Err(format!("{what}: accepted")),
     }
 }
@@ -60,6 +60,17 @@ pub fn check_edge_table<B: DenseAttention>(b: &B, max_head_dim: usize) -> Result
                     failures.push(format!("{s:?} {dtype} tokens {tokens} cap {cap}: {e}"));
                 }
             }
+        }
+    }
+    // A finite limit is refused one past it (the table may not reach it).
+    if let Some(d) = max_head_dim.checked_add(1).filter(|&d| d <= 1 << 16) {
+        let spec = text(WindowSpec::new(shape(1, 1, d)?, 4, DType::F32))?;
+        if let Err(e) = expect_err(
+            "new_window one past the head-dim limit",
+            b.new_window(spec),
+            |e| matches!(e, Error::Capacity { .. }),
+        ) {
+            failures.push(e);
         }
     }
     if failures.is_empty() {
@@ -123,14 +134,15 @@ pub fn check_nan_rows<B: DenseAttention>(b: &B) -> Result<(), String> {
     Ok(())
 }
 
-/// The merge on every edge shape, 1 and 3 parts.
+/// The merge on every edge shape, 1, 2 and 5 parts.
 ///
 /// # Errors
 /// The first failing case.
 pub fn check_merge_edge_table<M: MergeBackend>(m: &M) -> Result<(), String> {
     for (i, &(qh, kh, d, tokens)) in EDGE_SHAPES.iter().enumerate() {
         let s = shape(qh, kh, d)?;
-        for n_parts in [1, 3] {
+        // 5 parts: more than the CUDA merge keeps in registers.
+        for n_parts in [1, 2, 5] {
             for spread in [1.0, 1e3] {
                 check_merge_partition(m, s, tokens, spread, n_parts, 300 + i as u64)
                     .map_err(|e| format!("{s:?} tokens {tokens} parts {n_parts}: {e}"))?;
@@ -392,6 +404,17 @@ pub fn check_foreign<B: DenseAttention>(a: &B, other: &B, shared: bool) -> Resul
     expect_err(
         "append to another's window",
         other.append(&mut w, 1, &kv[..s.kv_token_len()], &kv[..s.kv_token_len()]),
+        foreign,
+    )?;
+    let (mut k1, mut v1) = (vec![0.0f32; 2 * 8], vec![0.0f32; 2 * 8]);
+    expect_err(
+        "evict from another's window",
+        other.evict_oldest(&mut w, 1, &mut k1, &mut v1),
+        foreign,
+    )?;
+    expect_err(
+        "prefetch from another's window",
+        other.prefetch_oldest(&mut w, 1),
         foreign,
     )?;
     let p = text(a.submit_decode(&w, &q, false))?;

@@ -1,21 +1,24 @@
 //! The one skip policy of hgca's tests.
 //!
 //! A test that needs what a machine may lack (an ISA, a wgpu adapter, NVRTC,
-//! a CUDA GPU, a model file) asks [`available`] or calls [`skip`]. Without
+//! a CUDA GPU, `/proc/cpuinfo`) asks [`available`] or calls [`skip`]. Without
 //! it the test prints a `SKIP:` line naming the capability and the reason,
 //! and passes, unless the capability is listed in `HGCA_REQUIRE`
 //! (comma-separated), which turns the skip into a failure.
 //!
 //! Who lists what:
-//! - `scripts/test.sh` under `CI=true`: `wgpu`, `nvrtc`, and the x86 ISAs
-//!   (`v3`, `v4`) that `/proc/cpuinfo` reports, read independently of the
-//!   library's detection.
+//! - `scripts/test.sh` under `CI=true`: `wgpu`, `nvrtc`, `neon` (its qemu
+//!   script), `proc-cpuinfo`, and the x86 ISAs (`v3`, `v4`) that
+//!   `/proc/cpuinfo` reports, read independently of the library's detection.
+//!
+//! The model tests of hgca-llm are not hardware tests: without the model
+//! files (`scripts/fetch-model.sh`) they print their own `SKIP:` line.
 //! - `scripts/neon-test.sh`: `neon`.
 //! - `scripts/gpu-check.sh`: `nvrtc` and `cuda`.
 //!
 //! ```
 //! use hgca_testkit::require;
-//! let r: Result<u32, &str> = Err("no such device");
+//! let r: Result<u32, std::io::Error> = Err(std::io::Error::other("no such device"));
 //! // `demo-device` is in no HGCA_REQUIRE list: this skips, with a line.
 //! assert_eq!(require::available("demo-device", r), None);
 //! ```
@@ -43,15 +46,19 @@ pub fn skip(capability: &str, reason: impl Display) {
     eprintln!("SKIP: {capability} unavailable: {reason} (list it in {ENV} to fail instead)");
 }
 
-/// `r`'s value, or `None` after [`skip`] with its error as the reason.
+/// `r`'s value, or `None` after [`skip`] with its error and the error's
+/// sources ([`hgca_kernels::report`]) as the reason.
 ///
 /// # Panics
 /// When `r` is an error and `capability` is required.
-pub fn available<T, E: Display>(capability: &str, r: Result<T, E>) -> Option<T> {
+pub fn available<T, E: std::error::Error + 'static>(
+    capability: &str,
+    r: Result<T, E>,
+) -> Option<T> {
     match r {
         Ok(t) => Some(t),
         Err(e) => {
-            skip(capability, e);
+            skip(capability, hgca_kernels::report(&e));
             None
         }
     }

@@ -107,7 +107,7 @@ impl CudaBackend {
         let module = ctx.load_module(Ptx::from_src(ptx)).map_err(drv)?;
         let merge = super::launch::Merge::load(&module)?;
         #[cfg(feature = "bench-timers")]
-        let copy_fn = super::launch::Copy::load(&module)?;
+        let copy_fn = super::launch::CopyKernel::load(&module)?;
         Ok(Self {
             dev: Arc::new(Device {
                 ctx,

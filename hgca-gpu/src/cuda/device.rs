@@ -13,7 +13,7 @@ use hgca_kernels::{Error, Result};
 use super::spec::KernelSpec;
 
 #[cfg(feature = "bench-timers")]
-use super::launch::Copy;
+use super::launch::CopyKernel;
 use super::launch::{
     Append, DecodeCombine, DecodeSplit, DecodeWeights, EvictGather, Merge, RingWrite,
 };
@@ -46,7 +46,7 @@ pub(super) struct Device {
     pub(super) merge: Merge,
     /// The copy yardstick of the benchmark timers.
     #[cfg(feature = "bench-timers")]
-    pub(super) copy_fn: Copy,
+    pub(super) copy_fn: CopyKernel,
     pub(super) attn: Mutex<HashMap<KernelSpec, Arc<AttnFns>>>,
     pub(super) pinned: Mutex<Vec<PinnedHostSlice<f32>>>,
 }

@@ -9,9 +9,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaModule, CudaStream, LaunchConfig, PushKernelArg};
-use hgca_kernels::Result;
+use hgca_kernels::{Error, Result};
 
-use super::backend::drv;
+use super::backend::BACKEND;
 #[cfg(feature = "bench-timers")]
 use super::spec::COPY_KERNEL;
 use super::spec::{
@@ -44,7 +44,9 @@ macro_rules! kernels {
 
             /// The kernel of `module` named [`Self::NAME`].
             pub(super) fn load(module: &Arc<CudaModule>) -> Result<Self> {
-                module.load_function(Self::NAME).map(Self).map_err(drv)
+                module.load_function(Self::NAME).map(Self).map_err(|e| {
+                    Error::backend_from(BACKEND, format!("loading {}", Self::NAME), e)
+                })
             }
 
             /// Queues the kernel on `stream`.
@@ -63,7 +65,9 @@ macro_rules! kernels {
                 $(b.arg(&args.$arg);)*
                 // SAFETY: the caller's contract above; the arguments are the
                 // signature's, in its order, by construction of this wrapper.
-                unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv)
+                unsafe { b.launch(cfg) }
+                    .map(|_| ())
+                    .map_err(|e| Error::backend_from(BACKEND, format!("launching {}", Self::NAME), e))
             }
         }
     )*};
@@ -106,7 +110,7 @@ kernels! {
 #[cfg(feature = "bench-timers")]
 kernels! {
     /// A float4 copy, the bandwidth yardstick of the benchmark timers.
-    Copy(CopyArgs) = COPY_KERNEL {src: u64, dst: u64, n4: u64}
+    CopyKernel(CopyArgs) = COPY_KERNEL {src: u64, dst: u64, n4: u64}
 }
 
 #[cfg(test)]
@@ -168,6 +172,6 @@ mod tests {
         check(ATTENTION_CU, EvictGather::NAME, EvictGather::ARGS);
         check(MERGE_CU, Merge::NAME, Merge::ARGS);
         #[cfg(feature = "bench-timers")]
-        check(MERGE_CU, Copy::NAME, Copy::ARGS);
+        check(MERGE_CU, CopyKernel::NAME, CopyKernel::ARGS);
     }
 }

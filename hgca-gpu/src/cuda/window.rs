@@ -239,4 +239,18 @@ impl WindowBackend for CudaBackend {
         w.start_pos += n as u64;
         Ok(())
     }
+
+    /// Checks the window is this backend's and holds `n` tokens; the
+    /// eviction's copy runs at the eviction (no read-back ahead yet).
+    fn prefetch_oldest(&self, window: &mut CudaWindow, n: usize) -> Result<()> {
+        self.check_window(window)?;
+        if n > window.len {
+            return Err(Error::Capacity {
+                what: "window tokens to prefetch",
+                capacity: window.len,
+                requested: n,
+            });
+        }
+        Ok(())
+    }
 }
