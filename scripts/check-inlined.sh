@@ -6,8 +6,8 @@
 #
 #   scripts/check-inlined.sh            the test build's binaries of the CPU
 #                                       kernels and the hybrid layer (run
-#                                       after `cargo test --workspace
-#                                       --all-features`; nothing to rebuild)
+#                                       after scripts/test.sh's `cargo
+#                                       test`; nothing to rebuild)
 #   scripts/check-inlined.sh --release  builds hgca-cpu's examples in release
 #                                       (~3 min from clean) and checks them
 #
@@ -26,9 +26,10 @@ if [ "${1:-}" = "--release" ]; then
   where='.'
 else
   # The exact test executables of the suite's build (`cargo test
-  # --workspace --all-features`; nothing is rebuilt after it), not whatever
+  # --workspace --all-features --lib --bins --tests`, as scripts/test.sh
+  # runs it; nothing is rebuilt after it), not whatever
   # matching file is newest in target/.
-  mapfile -t bins < <(cargo test --workspace --all-features --no-run --message-format=json 2>/dev/null \
+  mapfile -t bins < <(cargo test --workspace --all-features --lib --bins --tests --no-run --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys
 for line in sys.stdin:
