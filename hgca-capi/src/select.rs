@@ -330,15 +330,19 @@ pub unsafe extern "C" fn hgca_maw_update_gather(
         // SAFETY: as above.
         let w = unsafe { slice(weights, n, "weights") }?;
         let a = hgca_kernels::Alpha::new(alpha)?.get();
-        if let Some(&j) = i.iter().find(|&&j| j as usize >= m.len()) {
-            return Err(hgca_kernels::Error::Index {
-                what: "idx",
-                index: j as usize,
-                len: m.len(),
-            }
-            .into());
-        }
-        Ok(kernels().decay_accumulate(m, Some(i), a, w, n, &[1.0 - a])?)
+        // The kernel checks every index before it writes; the caller's
+        // argument is `idx`.
+        kernels()
+            .decay_accumulate(m, Some(i), a, w, n, &[1.0 - a])
+            .map_err(|e| match e {
+                hgca_kernels::Error::Index { index, len, .. } => hgca_kernels::Error::Index {
+                    what: "idx",
+                    index,
+                    len,
+                },
+                e => e,
+            })?;
+        Ok(())
     })
 }
 

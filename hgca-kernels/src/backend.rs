@@ -178,15 +178,24 @@ pub trait WindowBackend {
     /// [`Error::ForeignObject`] as for [`WindowBackend::append`] (where a
     /// backend overrides this); backend errors.
     fn prefetch_oldest(&self, window: &mut Self::Window, n: usize) -> Result<()> {
-        if n > window.len() {
-            return Err(Error::Capacity {
-                what: "window tokens to prefetch",
-                capacity: window.len(),
-                requested: n,
-            });
-        }
-        Ok(())
+        check_prefetch(window.len(), n)
     }
+}
+
+/// The check of every [`WindowBackend::prefetch_oldest`]: a window holding
+/// `held` tokens can prefetch `n` of them.
+///
+/// # Errors
+/// [`Error::Capacity`] when `n > held`.
+pub fn check_prefetch(held: usize, n: usize) -> Result<()> {
+    if n > held {
+        return Err(Error::Capacity {
+            what: "window tokens to prefetch",
+            capacity: held,
+            requested: n,
+        });
+    }
+    Ok(())
 }
 
 /// Dense attention over a window, with a submit/wait split.

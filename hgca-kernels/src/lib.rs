@@ -41,6 +41,7 @@ mod shape;
 
 pub use backend::{
     DenseAttention, KvWindow, MergeBackend, SparseAttention, WindowBackend, WindowSpec,
+    check_prefetch,
 };
 pub use dtype::{DType, KvElem};
 pub use error::{Cause, Error, Result, check_len, check_len_of, report, weights_not_requested};

@@ -377,6 +377,10 @@ static void test_selection(hgca_cpu *cpu) {
     float wts[2] = {1.0f, 1.0f};
     OK(hgca_maw_update_gather(maw, HK * 10, at, wts, 2, 0.5f));
     CHECK(close_to(maw[3], 0.5 * 0.3 + 0.5, 1e-6) && close_to(maw[12], 0.5 * 0.2 + 0.5, 1e-6), "maw update");
+    uint32_t past[2] = {3, HK * 10};
+    CHECK(hgca_maw_update_gather(maw, HK * 10, past, wts, 2, 0.5f) == HGCA_INDEX && strstr(hgca_last_error(), "idx") &&
+              close_to(maw[3], 0.5 * 0.3 + 0.5, 1e-6),
+          "an index past the MAW is refused, naming idx, and nothing is written");
     float betas[HK] = {1.0f, 1.0f};
     hgca_selection_out ts = {sel, HK * 70, offs, HK + 1, 0};
     OK(hgca_select_threshold(maw, HK * 10, HK, 10, betas, 2, &ts));

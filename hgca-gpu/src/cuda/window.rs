@@ -244,13 +244,6 @@ impl WindowBackend for CudaBackend {
     /// eviction's copy runs at the eviction (no read-back ahead yet).
     fn prefetch_oldest(&self, window: &mut CudaWindow, n: usize) -> Result<()> {
         self.check_window(window)?;
-        if n > window.len {
-            return Err(Error::Capacity {
-                what: "window tokens to prefetch",
-                capacity: window.len,
-                requested: n,
-            });
-        }
-        Ok(())
+        hgca_kernels::check_prefetch(window.len, n)
     }
 }

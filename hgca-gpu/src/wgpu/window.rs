@@ -402,13 +402,7 @@ impl WindowBackend for WgpuBackend {
 
     fn prefetch_oldest(&self, w: &mut WgpuWindow, n: usize) -> Result<()> {
         self.own("wgpu window", w.owner)?;
-        if n > w.len {
-            return Err(Error::Capacity {
-                what: "window tokens to prefetch",
-                capacity: w.len,
-                requested: n,
-            });
-        }
+        hgca_kernels::check_prefetch(w.len, n)?;
         let head = w.head;
         if n == 0
             || w.staged_mut()
