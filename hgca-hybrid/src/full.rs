@@ -6,6 +6,7 @@ use hgca_kernels::{AttnShape, KvElem, KvSource, KvStore, PartialLayout, PartialM
 use crate::SequenceAttention;
 
 /// Exact attention over every cached token, on the CPU, KV stored as `T`.
+/// A clone is a copy of the cache that goes on alone (a snapshot).
 ///
 /// ```
 /// use hgca_hybrid::{FullAttention, SequenceAttention};
@@ -18,8 +19,8 @@ use crate::SequenceAttention;
 /// assert_eq!(&out[..4], &[1.0, 2.0, 3.0, 4.0]); // one token: its value
 /// # Ok::<(), hgca_kernels::Error>(())
 /// ```
-#[derive(Debug)]
-pub struct FullAttention<T> {
+#[derive(Debug, Clone)]
+pub struct FullAttention<T: KvElem> {
     shape: AttnShape,
     cpu: CpuBackend,
     store: KvStore<T>,

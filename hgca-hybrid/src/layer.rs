@@ -16,7 +16,7 @@ use crate::{HybridConfig, SequenceAttention, StepStats};
 
 /// The per-layer parts every sequence shares: shape, configuration and
 /// backends.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Shared<D, S> {
     pub(crate) shape: AttnShape,
     pub(crate) cfg: HybridConfig,
@@ -25,6 +25,8 @@ pub(crate) struct Shared<D, S> {
     pub(crate) dense: D,
     pub(crate) sparse: S,
     pub(crate) cpu: CpuBackend,
+    /// [`HybridAttention::with_oracle_scores`].
+    pub(crate) oracle: bool,
 }
 
 impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
@@ -39,6 +41,7 @@ impl<D: DenseAttention, S: SparseAttention> Shared<D, S> {
             dense,
             sparse,
             cpu: CpuBackend::new(),
+            oracle: false,
         })
     }
 }
@@ -82,6 +85,45 @@ pub struct HybridAttention<
 > {
     pub(crate) l: Shared<D, S>,
     pub(crate) seq: Seq<D, T, C>,
+}
+
+/// A copy of the sequence: the same cache (window and CPU store), MAW and
+/// selection state, on the same backends. Each copy then goes on alone:
+/// several continuations of one prefilled prompt (a snapshot), bit for bit
+/// what the original would compute. Where the window is device memory its
+/// type decides whether it can be copied (the CPU's host window can).
+///
+/// ```
+/// use hgca_hybrid::{HybridAttention, HybridConfig, SequenceAttention};
+/// use hgca_kernels::AttnShape;
+/// let cfg = HybridConfig { window: 16, block: 8, ..HybridConfig::default() };
+/// let mut a = HybridAttention::<_, _, f32>::cpu(AttnShape::new(2, 1, 4)?, cfg)?;
+/// let mut out = vec![0.0; 8];
+/// for t in 0..40 {
+///     let x = [t as f32 / 40.0, 0.5, -0.25, 1.0];
+///     a.forward(&[0.3; 8], &x, &x, 1, &mut out)?;
+/// }
+/// let mut b = a.clone();
+/// let (mut oa, mut ob) = (vec![0.0; 8], vec![0.0; 8]);
+/// a.forward(&[0.7; 8], &[1.0; 4], &[2.0; 4], 1, &mut oa)?;
+/// b.forward(&[0.7; 8], &[1.0; 4], &[2.0; 4], 1, &mut ob)?;
+/// assert_eq!(oa, ob);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+impl<D, S, T, C> Clone for HybridAttention<D, S, T, C>
+where
+    D: DenseAttention + Clone,
+    D::Window: Clone,
+    S: SparseAttention + Clone,
+    T: KvElem,
+    C: CpuStore<T> + Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            l: self.l.clone(),
+            seq: self.seq.clone(),
+        }
+    }
 }
 
 impl<T: KvElem> HybridAttention<CpuBackend, CpuBackend, T> {
@@ -196,6 +238,23 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     pub fn with_cpu(mut self, cpu: CpuBackend) -> Self {
         self.l.cpu = cpu;
         self
+    }
+
+    /// The oracle of the mass rule, for evaluations: under
+    /// [`Recovery::Mass`](crate::Recovery::Mass), each decode step scores
+    /// every CPU entry exactly from its key (reading all of them) instead
+    /// of estimating (block bounds, the int8 copy), then admits entries by
+    /// weight to the same target in the same way. It bounds what a better
+    /// estimate could buy; it saves no reads. No effect under the other rules.
+    #[must_use]
+    pub fn with_oracle_scores(mut self) -> Self {
+        self.l.oracle = true;
+        self
+    }
+
+    /// Whether [`Self::with_oracle_scores`] is on.
+    pub fn oracle_scores(&self) -> bool {
+        self.l.oracle
     }
 
     /// The CPU backend of the layer's own CPU work (see [`Self::with_cpu`]).

@@ -19,7 +19,7 @@
 //! window's share of it then (the window changes by one token a step).
 
 use hgca_cpu::{CpuBackend, INT8_TILE, Int8Keys};
-use hgca_kernels::{KvElem, MassTarget, Result};
+use hgca_kernels::{KvElem, KvSource, MassTarget, Result};
 
 /// Log-space histogram of the estimated weights: buckets of
 /// `1 / BUCKETS_PER_NAT` nats below the largest, the last one holding
@@ -71,6 +71,10 @@ pub(crate) struct Head<'a, T> {
     pub(crate) block: usize,
     /// Entries always attended (the first ones).
     pub(crate) sinks: usize,
+    /// The oracle ([`crate::HybridAttention::with_oracle_scores`]): the
+    /// exact scores of every entry, from the store's keys of this KV head,
+    /// in place of the two estimate stages.
+    pub(crate) exact: Option<(&'a dyn KvSource<T>, usize)>,
 }
 
 /// Selects for one head: `idx` (cleared) gets the admitted entries in
@@ -82,8 +86,8 @@ pub(crate) fn select<T: KvElem>(
     s: &mut Scratch,
     idx: &mut Vec<u32>,
 ) -> Result<HeadReport> {
-    let n = h.keys.len();
-    let (group, bt) = (h.lse_ref.len(), h.block);
+    let n = h.exact.map_or(h.keys.len(), |(k, _)| k.tokens());
+    let group = h.lse_ref.len();
     let d = h.q.len() / group.max(1);
     idx.clear();
     let all = |idx: &mut Vec<u32>| idx.extend(0..n as u32);
@@ -112,6 +116,63 @@ pub(crate) fn select<T: KvElem>(
         });
     }
     let budget = 1.0 - target.target;
+    let (culled_mass, estimated_entries) = match h.exact {
+        Some((keys, kvh)) => {
+            exact_scores(h, keys, kvh, n, d, s);
+            (0.0, n)
+        }
+        None => estimate(cpu, h, n, d, budget, win, s)?,
+    };
+    admit(
+        cpu,
+        h,
+        target,
+        n,
+        win,
+        culled_mass,
+        estimated_entries,
+        s,
+        idx,
+    )
+}
+
+/// The exact counterpart of the estimate: `est[j]` is the largest over the
+/// group of `scale q_i . k_j - lse_ref_i`, from the keys themselves (f32
+/// products, a scalar loop: an evaluation's bound, not a selector's cost).
+fn exact_scores<T: KvElem>(
+    h: &Head<'_, T>,
+    keys: &dyn KvSource<T>,
+    kvh: usize,
+    n: usize,
+    d: usize,
+    s: &mut Scratch,
+) {
+    s.est.clear();
+    s.est.extend((0..n).map(|j| {
+        let k = keys.k_row(kvh, j);
+        h.q.chunks_exact(d)
+            .zip(h.lse_ref)
+            .map(|(q, &r)| {
+                let dot: f32 = q.iter().zip(k).map(|(&a, &b)| a * b.to_f32()).sum();
+                dot * h.scale - r
+            })
+            .fold(f32::NEG_INFINITY, f32::max)
+    }));
+}
+
+/// The two estimate stages: fills `s.est` (`-inf` for the entries of
+/// dropped blocks) and returns the dropped blocks' bounded mass (relative
+/// to the reference's window share) and the entries estimated.
+fn estimate<T: KvElem>(
+    cpu: &CpuBackend,
+    h: &Head<'_, T>,
+    n: usize,
+    d: usize,
+    budget: f32,
+    win: f32,
+    s: &mut Scratch,
+) -> Result<(f64, usize)> {
+    let (group, bt) = (h.lse_ref.len(), h.block);
     // Stage 1: block bounds, as log weights against the reference.
     let nb = n.div_ceil(bt);
     s.ub.resize(nb * group, 0.0);
@@ -166,6 +227,26 @@ pub(crate) fn select<T: KvElem>(
         estimated_entries += end - start;
         b = e;
     }
+    Ok((culled_mass, estimated_entries))
+}
+
+/// Admits entries by their (estimated or exact) weight in `s.est` until
+/// the target's share of the mass, the sinks always; a head past the max
+/// share takes every entry.
+#[allow(clippy::too_many_arguments)]
+fn admit<T: KvElem>(
+    cpu: &CpuBackend,
+    h: &Head<'_, T>,
+    target: MassTarget,
+    n: usize,
+    win: f32,
+    culled_mass: f64,
+    estimated_entries: usize,
+    s: &mut Scratch,
+    idx: &mut Vec<u32>,
+) -> Result<HeadReport> {
+    let budget = 1.0 - target.target;
+    let all = |idx: &mut Vec<u32>| idx.extend(0..n as u32);
     // The normaliser (relative to the reference): the window's share plus
     // the estimated CPU mass; the sinks are admitted whatever they weigh.
     let sinks = h.sinks.min(n);
@@ -254,4 +335,102 @@ pub(crate) fn select<T: KvElem>(
         dense: false,
         estimated_entries,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hgca_kernels::KvStore;
+
+    /// The oracle's admission on exact scores with the step's own union
+    /// lse as the reference: the entries left out weigh no more than any
+    /// entry admitted, together at most `1 - target` of the union, and the
+    /// reported share is the exact one. The int8 copy is empty, so an
+    /// oracle that fell back to the estimate would admit nothing.
+    #[test]
+    fn oracle_admits_by_exact_weight_to_the_target() {
+        let (d, n) = (8usize, 300usize);
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let k: Vec<f32> = (0..n * d).map(|_| 3.0 * rnd()).collect();
+        let mut store = KvStore::<f32>::new(1, d, 64).unwrap();
+        store.push_head_major(n, &k, &k).unwrap();
+        let q: Vec<f32> = (0..d).map(|_| rnd()).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        let s: Vec<f64> = (0..n)
+            .map(|j| {
+                let dot: f32 = q
+                    .iter()
+                    .zip(&k[j * d..(j + 1) * d])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                f64::from(dot * scale)
+            })
+            .collect();
+        // A window holding as much mass as a tenth of the entries' total.
+        let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let cpu_sum: f64 = s.iter().map(|v| (v - m).exp()).sum();
+        let win_lse = m + (0.1 * cpu_sum).ln();
+        let union = m + (1.1 * cpu_sum).ln();
+        let (lse_ref, win) = ([union as f32], [win_lse as f32]);
+        let empty = Int8Keys::new(d);
+        for target in [0.5f32, 0.9, 0.99] {
+            let head = Head {
+                q: &q,
+                scale,
+                lse_ref: &lse_ref,
+                win_lse: &win,
+                bounds: &[],
+                keys: &empty,
+                block: 64,
+                sinks: 0,
+                exact: Some((&store as &dyn KvSource<f32>, 0)),
+            };
+            let mut idx = Vec::new();
+            let r = select(
+                &CpuBackend::new(),
+                &head,
+                MassTarget::new(target, 1.0).unwrap(),
+                &mut Scratch::default(),
+                &mut idx,
+            )
+            .unwrap();
+            assert!(!r.dense && r.estimated_entries == n, "{r:?}");
+            let w = |j: usize| (s[j] - union).exp();
+            let admitted: Vec<bool> = (0..n).map(|j| idx.contains(&(j as u32))).collect();
+            let (mut min_in, mut max_out, mut out) = (f64::INFINITY, 0f64, 0f64);
+            for j in 0..n {
+                if admitted[j] {
+                    min_in = min_in.min(w(j));
+                } else {
+                    max_out = max_out.max(w(j));
+                    out += w(j);
+                }
+            }
+            assert!(
+                !idx.is_empty() && idx.len() < n,
+                "target {target}: {} admitted",
+                idx.len()
+            );
+            assert!(
+                max_out <= min_in * (1.0 + 1e-5),
+                "target {target}: {max_out} out, {min_in} in"
+            );
+            assert!(
+                out <= f64::from(1.0 - target) + 1e-5,
+                "target {target}: {out} left out"
+            );
+            assert!(
+                (f64::from(r.estimated) - (1.0 - out)).abs() < 1e-4,
+                "target {target}: reported {} vs exact {}",
+                r.estimated,
+                1.0 - out
+            );
+        }
+    }
 }

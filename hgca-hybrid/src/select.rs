@@ -109,6 +109,8 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
         let (cpu, bounds, maw, beta, last_lse) =
             (&l.cpu, &self.bounds, &self.maw, &l.beta, &self.last_lse);
         let (int8, last_win_lse) = (&self.int8, &self.last_win_lse);
+        let store: &dyn hgca_kernels::KvSource<T> = &self.store;
+        let oracle = l.oracle;
         // The KV heads select independently: on the CPU backend's threads
         // (a serial scan of every entry's MAW was most of the CPU side's
         // time at 128k).
@@ -129,6 +131,7 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
                     keys: &int8[g],
                     block: bt,
                     sinks,
+                    exact: oracle.then_some((store, g)),
                 };
                 match mass::select(cpu, &head, target, &mut h.mass, &mut h.idx) {
                     Ok(r) => h.report = r,

@@ -62,6 +62,37 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> std::fmt::Debug for Seq<D, T,
     }
 }
 
+impl<D, T, C> Clone for Seq<D, T, C>
+where
+    D: DenseAttention,
+    D::Window: Clone,
+    T: KvElem,
+    C: Clone,
+{
+    fn clone(&self) -> Self {
+        Self {
+            window: self.window.clone(),
+            win_maw: self.win_maw.clone(),
+            win_head: self.win_head,
+            store: self.store.clone(),
+            maw: self.maw.clone(),
+            bounds: self.bounds.clone(),
+            sel: self.sel.clone(),
+            steps: self.steps,
+            last_lse: self.last_lse.clone(),
+            last_win_lse: self.last_win_lse.clone(),
+            int8: self.int8.clone(),
+            stats: self.stats.clone(),
+            heads: self.heads.clone(),
+            gpu_w: self.gpu_w.clone(),
+            cpu_w: self.cpu_w.clone(),
+            to_union: self.to_union.clone(),
+            evict_k: self.evict_k.clone(),
+            evict_v: self.evict_v.clone(),
+        }
+    }
+}
+
 /// A decode step's CPU side, run while the dense side works.
 pub(crate) struct CpuSide {
     part: Partial,

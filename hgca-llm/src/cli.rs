@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::{ffn_cmd, needle};
+use crate::{ffn_cmd, needle, ruler};
 
 #[derive(Parser, Debug)]
 #[command(version, about = "A real model end to end through hgca's attention")]
@@ -58,6 +58,10 @@ pub(crate) enum Cmd {
     /// Retrieval of a code hidden in a haystack of real text, full
     /// attention against the hybrid layer, answer by answer.
     Needle(needle::NeedleArgs),
+    /// A RULER-style task suite (needles, multi-key, multi-value,
+    /// multi-query, variable tracking, the shift task) over every attention
+    /// variant from one prefill per document: a table, JSON on request.
+    Ruler(ruler::RulerArgs),
     /// Perplexity against FFN sparsity: hgca's sparse FFN with thresholds
     /// calibrated per layer (CATS), exact attention.
     Ffn(ffn_cmd::FfnArgs),

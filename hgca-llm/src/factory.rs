@@ -43,7 +43,9 @@ pub(crate) struct SelCount {
     pub(crate) steps: u64,
 }
 
-/// A hybrid layer that adds its selection statistics to a shared counter.
+/// A hybrid layer that adds its selection statistics to a shared counter
+/// (which its forks share).
+#[derive(Clone)]
 struct Counted<A> {
     inner: A,
     count: Arc<Mutex<SelCount>>,
@@ -66,15 +68,20 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
             let row = 2 * d * core::mem::size_of::<T>() as u64;
             let cfg = self.inner.config();
             let blocks = (st.cpu_tokens.div_ceil(cfg.block) * kvh) as u64;
+            let oracle = self.inner.oracle_scores();
             let bounds = match cfg.recovery {
+                Recovery::Mass(_) if oracle => 0,
                 Recovery::BlockBounds { .. } | Recovery::Mass(_) => blocks * row,
                 _ => 0,
             };
+            // What the estimate read per entry: its int8 row (d bytes and
+            // a scale), or for the oracle the key itself.
+            let est_row = if oracle { row / 2 } else { d + 4 };
             let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
             c.selected += st.selected as u64;
             c.candidates += (st.cpu_tokens * kvh) as u64;
             c.bytes_read +=
-                st.selected as u64 * row + st.estimated_entries as u64 * (d + 4) + bounds;
+                st.selected as u64 * row + st.estimated_entries as u64 * est_row + bounds;
             c.bytes_full += (st.cpu_tokens * kvh) as u64 * row;
             if st.mass_estimated.is_some() || st.dense_heads > 0 {
                 c.head_steps += kvh as u64;
@@ -94,45 +101,75 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
     }
 }
 
-pub(crate) fn parse_recovery(s: &str) -> Result<Recovery> {
-    s.parse().map_err(|_| Error::Invalid {
+/// A recovery rule as the command lines take it, and whether it is the
+/// mass rule's oracle: `oracle:P[:S]` is `mass:P[:S]` with exact scores
+/// ([`HybridAttention::with_oracle_scores`]).
+pub(crate) fn parse_recovery(s: &str) -> Result<(Recovery, bool)> {
+    let (rule, oracle) = match s.strip_prefix("oracle:") {
+        Some(rest) => (format!("mass:{rest}"), true),
+        None => (s.to_owned(), false),
+    };
+    let r = rule.parse().map_err(|_| Error::Invalid {
         what: "--recovery",
-        msg: format!("`{s}`: expected frozen, rescore:N, bounds:N or mass:P[:S]"),
-    })
+        msg: format!("`{s}`: expected frozen, rescore:N, bounds:N, mass:P[:S] or oracle:P[:S]"),
+    })?;
+    Ok((r, oracle))
 }
 
+/// The window of a hybrid layer: `ratio` of `context` tokens, in whole
+/// blocks (at least one).
+pub(crate) fn window_for(context: usize, ratio: f64, block: usize) -> usize {
+    (((ratio * context as f64) / block as f64).round() as usize).max(1) * block
+}
+
+/// The default hybrid configuration with a window of `ratio` of `context`
+/// and the recovery rule `rule` (as `--recovery` takes it), and whether
+/// the rule is the oracle.
+pub(crate) fn hybrid_config(
+    context: usize,
+    ratio: f64,
+    rule: &str,
+) -> Result<(HybridConfig, bool)> {
+    let d = HybridConfig::default();
+    let (recovery, oracle) = parse_recovery(rule)?;
+    Ok((
+        HybridConfig {
+            window: window_for(context, ratio, d.block),
+            recovery,
+            ..d
+        },
+        oracle,
+    ))
+}
+
+/// Hybrid layers of `cfg` (with exact scores when `oracle`) on the
+/// process's CPU backend, adding their statistics to `count`.
 pub(crate) fn hybrid_factory(
     kv: Kv,
-    cfg: HybridConfig,
+    (cfg, oracle): (HybridConfig, bool),
     count: Arc<Mutex<SelCount>>,
 ) -> impl FnMut(usize, AttnShape) -> Result<BoxedAttention> {
     move |_, shape| {
         let count = Arc::clone(&count);
-        Ok(match kv {
-            Kv::F32 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f32>::cpu_on(
-                    shape,
-                    cfg.clone(),
-                    hgca_llm::cpu_backend(),
-                )?,
-                count,
-            }) as BoxedAttention,
-            Kv::F16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, f16>::cpu_on(
-                    shape,
-                    cfg.clone(),
-                    hgca_llm::cpu_backend(),
-                )?,
-                count,
-            }),
-            Kv::Bf16 => Box::new(Counted {
-                inner: HybridAttention::<_, _, bf16>::cpu_on(
-                    shape,
-                    cfg.clone(),
-                    hgca_llm::cpu_backend(),
-                )?,
-                count,
-            }),
-        })
+        match kv {
+            Kv::F32 => counted::<f32>(shape, &cfg, oracle, count),
+            Kv::F16 => counted::<f16>(shape, &cfg, oracle, count),
+            Kv::Bf16 => counted::<bf16>(shape, &cfg, oracle, count),
+        }
     }
+}
+
+/// One counted hybrid layer with KV stored as `T`.
+fn counted<T: KvElem>(
+    shape: AttnShape,
+    cfg: &HybridConfig,
+    oracle: bool,
+    count: Arc<Mutex<SelCount>>,
+) -> Result<BoxedAttention> {
+    let mut inner =
+        HybridAttention::<_, _, T>::cpu_on(shape, cfg.clone(), hgca_llm::cpu_backend())?;
+    if oracle {
+        inner = inner.with_oracle_scores();
+    }
+    Ok(Box::new(Counted { inner, count }))
 }

@@ -37,7 +37,7 @@ mod weights;
 
 pub use error::{Error, Result};
 pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
-pub use model::{BoxedAttention, Llama, Logits, argmax, full_attention, log_prob};
+pub use model::{BoxedAttention, LayerAttention, Llama, Logits, argmax, full_attention, log_prob};
 pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
 pub use profile::Profile;
 pub use sparse_ffn::{FfnCount, SparseFfn};

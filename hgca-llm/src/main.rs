@@ -13,6 +13,7 @@ mod load;
 mod needle;
 mod ppl_cmd;
 mod progress;
+mod ruler;
 mod speed;
 
 fn main() {
@@ -34,6 +35,7 @@ fn main() {
     let r = match &cli.cmd {
         Cmd::Ppl(a) => ppl_cmd::cmd_ppl(&cli, a),
         Cmd::Needle(a) => needle::cmd_needle(&cli, a),
+        Cmd::Ruler(a) => ruler::cmd_ruler(&cli, a),
         Cmd::Ffn(a) => ffn_cmd::cmd_ffn(&cli, a),
         Cmd::Speed {
             text,

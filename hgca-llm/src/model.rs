@@ -25,8 +25,23 @@ pub enum Logits {
     All,
 }
 
+/// A per-layer attention as [`Llama`] holds it: a [`SequenceAttention`]
+/// whose cache can be copied, so that one prefilled prompt serves several
+/// continuations ([`Llama::fork`]). Every `Clone` attention is one
+/// ([`FullAttention`], and [`hgca_hybrid::HybridAttention`] on host windows).
+pub trait LayerAttention: SequenceAttention + Send {
+    /// A copy of this layer's cache and state that goes on alone.
+    fn fork(&self) -> BoxedAttention;
+}
+
+impl<A: SequenceAttention + Clone + Send + 'static> LayerAttention for A {
+    fn fork(&self) -> BoxedAttention {
+        Box::new(self.clone())
+    }
+}
+
 /// A per-layer attention, as [`Llama`] holds it.
-pub type BoxedAttention = Box<dyn SequenceAttention + Send>;
+pub type BoxedAttention = Box<dyn LayerAttention>;
 
 /// The attention factory of exact full attention (hgca's CPU baseline) with
 /// KV stored as `T`, for [`Llama::new`] and [`crate::perplexity`]: every
@@ -41,6 +56,9 @@ pub fn full_attention<T: KvElem + Send + 'static>()
 pub struct Llama {
     weights: Arc<LlamaWeights>,
     attn: Vec<BoxedAttention>,
+    /// Other attention variants fed the same queries, keys and values
+    /// (per variant, per layer), split off by [`Llama::split`].
+    followers: Vec<Vec<BoxedAttention>>,
     pos: usize,
     poisoned: bool,
     /// hgca's sparse FFN in place of candle's dense one, when set.
@@ -113,12 +131,88 @@ impl Llama {
         Ok(Self {
             weights,
             attn,
+            followers: Vec::new(),
             pos: 0,
             poisoned: false,
             ffn: None,
             record: None,
             profile: None,
         })
+    }
+
+    /// Adds an attention variant that follows this sequence: every later
+    /// [`Llama::forward`] also appends its queries, keys and values to the
+    /// follower's layers (made by `attention`), whose outputs are dropped;
+    /// the model's residual stream is this sequence's. [`Llama::split`]
+    /// then gives each follower as a sequence of its own. This is how one
+    /// prefill of a long document (its matmuls, the bulk of the cost)
+    /// serves several attention variants: a variant whose prefill is exact
+    /// (full attention, the hybrid layer's prompt chunks) holds the cache its
+    /// own prefill would have built, up to float rounding in the layers
+    /// after the first.
+    ///
+    /// # Errors
+    /// What `attention` returns; [`Error::Invalid`] once tokens were
+    /// processed (a follower must see the whole sequence).
+    pub fn follow<F>(&mut self, mut attention: F) -> Result<()>
+    where
+        F: FnMut(usize, AttnShape) -> Result<BoxedAttention>,
+    {
+        if self.pos != 0 {
+            return Err(Error::invalid(
+                "follow",
+                "followers join an empty sequence (this one holds tokens)",
+            ));
+        }
+        let shape = self.weights.attn_shape()?;
+        let layers = (0..self.weights.config.n_layers)
+            .map(|l| attention(l, shape))
+            .collect::<Result<Vec<_>>>()?;
+        self.followers.push(layers);
+        Ok(())
+    }
+
+    /// This sequence and then each follower ([`Llama::follow`]) in the
+    /// order they were added, each a sequence of its own at the same
+    /// position (sharing the weights; no profile).
+    pub fn split(mut self) -> Vec<Llama> {
+        let followers = std::mem::take(&mut self.followers);
+        let mut out = Vec::with_capacity(1 + followers.len());
+        for attn in followers {
+            out.push(Llama {
+                weights: Arc::clone(&self.weights),
+                attn,
+                followers: Vec::new(),
+                pos: self.pos,
+                poisoned: self.poisoned,
+                ffn: self.ffn.clone(),
+                record: None,
+                profile: None,
+            });
+        }
+        out.insert(0, self);
+        out
+    }
+
+    /// A copy of this sequence (every layer's cache and state, followers
+    /// included) that goes on alone: a snapshot of a prefilled prompt from
+    /// which several continuations run, each bit for bit what this
+    /// sequence would compute.
+    pub fn fork(&self) -> Llama {
+        Llama {
+            weights: Arc::clone(&self.weights),
+            attn: self.attn.iter().map(|a| a.fork()).collect(),
+            followers: self
+                .followers
+                .iter()
+                .map(|f| f.iter().map(|a| a.fork()).collect())
+                .collect(),
+            pos: self.pos,
+            poisoned: self.poisoned,
+            ffn: self.ffn.clone(),
+            record: None,
+            profile: self.profile.map(|_| Profile::default()),
+        }
     }
 
     /// Turns the time profile of forward calls on (from zero) or off.
@@ -231,6 +325,7 @@ impl Llama {
         let mut v = vec![0.0f32; n * kvd];
         let mut att = vec![0.0f32; n * d];
         let mut act = vec![0.0f32; n * c.ffn_dim];
+        let mut sink = Vec::new();
         let mut laps = Laps::new(self.profile.take());
         for (li, (layer, attn)) in w.layers.iter().zip(self.attn.iter_mut()).enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
@@ -255,6 +350,11 @@ impl Llama {
             laps.add(|p| &mut p.qkv);
             attn.forward(&q, &k, &v, n, &mut att)?;
             laps.add(|p| &mut p.attn);
+            for f in &mut self.followers {
+                sink.resize(att.len(), 0.0);
+                f[li].forward(&q, &k, &v, n, &mut sink)?;
+                laps.skip();
+            }
             let o = layer.wo.forward(&att, n)?;
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;

@@ -14,10 +14,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::cli::{AttnKind, Cli};
-use crate::factory::{SelCount, full_factory, hybrid_factory, parse_recovery};
+use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory};
 use crate::load::load;
 use crate::progress::bar;
-use hgca_hybrid::HybridConfig;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
 
 /// Options of the needle command.
@@ -127,22 +126,14 @@ pub(crate) fn cmd_needle(cli: &Cli, a: &NeedleArgs) -> Result<()> {
         for (_, _, doc) in &docs {
             let mut llm = match kind {
                 AttnKind::Full => Llama::new(Arc::clone(&w), full_factory(cli.kv))?,
-                AttnKind::Hybrid => {
-                    let block = HybridConfig::default().block;
-                    let window = (((a.window_ratio * a.context as f64) / block as f64).round()
-                        as usize)
-                        .max(1)
-                        * block;
-                    let cfg = HybridConfig {
-                        window,
-                        recovery: parse_recovery(&a.recovery)?,
-                        ..HybridConfig::default()
-                    };
-                    Llama::new(
-                        Arc::clone(&w),
-                        hybrid_factory(cli.kv, cfg, Arc::clone(&count)),
-                    )?
-                }
+                AttnKind::Hybrid => Llama::new(
+                    Arc::clone(&w),
+                    hybrid_factory(
+                        cli.kv,
+                        hybrid_config(a.context, a.window_ratio, &a.recovery)?,
+                        Arc::clone(&count),
+                    ),
+                )?,
             };
             for c in doc.chunks(a.chunk.max(1)) {
                 llm.forward(c, Logits::None)?;

@@ -32,7 +32,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         score_from: a.score_from,
         decode: a.decode,
     };
-    let recovery = parse_recovery(&a.recovery)?;
+    let (recovery, oracle) = parse_recovery(&a.recovery)?;
     struct Row {
         kind: &'static str,
         window: String,
@@ -77,8 +77,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                         });
                     }
                     let block = a.block.max(1);
-                    let window =
-                        (((ratio * context as f64) / block as f64).round() as usize).max(1) * block;
+                    let window = crate::factory::window_for(context, ratio, block);
                     let cfg = HybridConfig {
                         window,
                         block,
@@ -88,7 +87,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                         recovery,
                         ..HybridConfig::default()
                     };
-                    let f = hybrid_factory(cli.kv, cfg, Arc::clone(&count));
+                    let f = hybrid_factory(cli.kv, (cfg, oracle), Arc::clone(&count));
                     (
                         perplexity(&w, &ids, opts, f, |d| pb.set_position(d as u64))?,
                         window,

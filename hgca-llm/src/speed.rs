@@ -5,11 +5,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use hgca_hybrid::HybridConfig;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
 
 use crate::cli::{AttnKind, Cli};
-use crate::factory::{SelCount, full_factory, hybrid_factory, parse_recovery};
+use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory};
 use crate::load::{load, read_tokens};
 use crate::progress::bar;
 
@@ -42,16 +41,9 @@ pub(crate) fn cmd_speed(
                     msg: format!("{ratio} is not in (0, 1]"),
                 });
             }
-            let block = HybridConfig::default().block;
-            let window =
-                (((ratio * context as f64) / block as f64).round() as usize).max(1) * block;
-            let cfg = HybridConfig {
-                window,
-                block,
-                recovery: parse_recovery(recovery)?,
-                ..HybridConfig::default()
-            };
-            let f = hybrid_factory(cli.kv, cfg, Arc::clone(&count));
+            let spec = hybrid_config(context, ratio, recovery)?;
+            let window = spec.0.window;
+            let f = hybrid_factory(cli.kv, spec, Arc::clone(&count));
             (
                 Llama::new(Arc::clone(&w), f)?,
                 format!("hybrid, window {window} ({ratio}), {recovery}"),

@@ -474,3 +474,144 @@ fn sparse_ffn_matches_the_dense_ffn_at_sparsity_zero() {
         ));
     }
 }
+
+/// A hybrid layer factory for the tiny model: a 16-token window of 8-token
+/// blocks under `recovery`, so that most of a few dozen tokens live in the
+/// CPU store.
+fn tiny_hybrid(
+    recovery: hgca_hybrid::Recovery,
+) -> impl FnMut(usize, hgca_kernels::AttnShape) -> hgca_llm::Result<hgca_llm::BoxedAttention> {
+    move |_, s| {
+        let cfg = hgca_hybrid::HybridConfig {
+            window: 16,
+            block: 8,
+            sinks: 2,
+            recovery,
+            ..hgca_hybrid::HybridConfig::default()
+        };
+        Ok(Box::new(hgca_hybrid::HybridAttention::<_, _, f32>::cpu(s, cfg)?) as _)
+    }
+}
+
+/// Decode steps over `ids`, the logits of each.
+fn decode_all(llm: &mut Llama, ids: &[u32]) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&t| llm.forward(&[t], Logits::Last).unwrap())
+        .collect()
+}
+
+/// A fork is a snapshot: it continues bit for bit as the original would,
+/// and what the original does afterwards does not reach it (full attention
+/// and the hybrid layer under the mass rule, whose int8 keys, bounds and
+/// MAW are copied too).
+#[test]
+fn fork_continues_bit_for_bit_and_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
+    let prompt: Vec<u32> = (0..40u32).map(|i| (i * 13 + 5) % 250).collect();
+    let next: Vec<u32> = (0..12u32).map(|i| (i * 29 + 7) % 250).collect();
+    let other: Vec<u32> = (0..9u32).map(|i| (i * 31 + 1) % 250).collect();
+    let mass = "mass:0.8".parse().unwrap();
+    let variants: [(&str, Box<dyn Fn() -> Llama>); 3] = [
+        (
+            "full",
+            Box::new(|| Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap()),
+        ),
+        (
+            "hybrid mass",
+            Box::new(|| Llama::new(Arc::clone(&w), tiny_hybrid(mass)).unwrap()),
+        ),
+        (
+            "hybrid rescore",
+            Box::new(|| {
+                Llama::new(
+                    Arc::clone(&w),
+                    tiny_hybrid(hgca_hybrid::Recovery::Rescore { every: 3 }),
+                )
+                .unwrap()
+            }),
+        ),
+    ];
+    for (name, make) in &variants {
+        let mut a = make();
+        a.forward(&prompt, Logits::None).unwrap();
+        // Past the window: the decode steps select from the CPU store.
+        decode_all(&mut a, &prompt[..5]);
+        let mut b = a.fork();
+        assert_eq!(b.position(), a.position());
+        let straight = decode_all(&mut a, &next);
+        // The original goes elsewhere; the fork then runs `next`.
+        decode_all(&mut a, &other);
+        let forked = decode_all(&mut b, &next);
+        assert!(straight == forked, "{name}: a fork's continuation differs");
+        // A fork of a fork, after the original moved on, still starts
+        // from where it was taken.
+        let mut fresh = make();
+        fresh.forward(&prompt, Logits::None).unwrap();
+        decode_all(&mut fresh, &prompt[..5]);
+        let mut c = fresh.fork().fork();
+        decode_all(&mut fresh, &other);
+        assert!(
+            decode_all(&mut c, &next) == straight,
+            "{name}: fork of a fork"
+        );
+    }
+}
+
+/// Followers of a prefill hold the cache their own prefill would have
+/// built: a full-attention follower bit for bit (it sees the same queries,
+/// keys and values), a hybrid follower to float rounding (its own prefill
+/// runs the residual stream through its own exact, differently rounded
+/// outputs); each split sequence then decodes alone.
+#[test]
+fn followers_hold_their_own_prefill() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in [hgca_llm::Arch::Llama, hgca_llm::Arch::Qwen2] {
+        let spec = SynthSpec {
+            arch,
+            ..SynthSpec::default()
+        };
+        let w = weights(&tiny(dir.path(), &spec), WeightFormat::F32);
+        let prompt: Vec<u32> = (0..45u32).map(|i| (i * 11 + 3) % 250).collect();
+        let next: Vec<u32> = (0..10u32).map(|i| (i * 17 + 2) % 250).collect();
+        let mass = "mass:0.9".parse().unwrap();
+
+        let mut lead = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+        lead.follow(hgca_llm::full_attention::<f32>()).unwrap();
+        lead.follow(tiny_hybrid(mass)).unwrap();
+        for ch in prompt.chunks(16) {
+            lead.forward(ch, Logits::None).unwrap();
+        }
+        let mut parts = lead.split();
+        assert_eq!(parts.len(), 3);
+        assert!(parts.iter().all(|p| p.position() == prompt.len()));
+
+        let alone = |mut llm: Llama| {
+            for ch in prompt.chunks(16) {
+                llm.forward(ch, Logits::None).unwrap();
+            }
+            decode_all(&mut llm, &next)
+        };
+        let full = alone(Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap());
+        let hybrid = alone(Llama::new(Arc::clone(&w), tiny_hybrid(mass)).unwrap());
+        let got: Vec<Vec<f32>> = parts.iter_mut().map(|p| decode_all(p, &next)).collect();
+        assert!(
+            got[0] == full,
+            "{arch:?}: the lead is a plain full-attention sequence"
+        );
+        assert!(got[1] == full, "{arch:?}: a full follower is bit for bit");
+        let d = max_rel_diff(&got[2], &hybrid);
+        assert!(
+            d < 1e-4,
+            "{arch:?}: hybrid follower vs its own prefill: {d}"
+        );
+
+        // Followers join an empty sequence only.
+        let mut late = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+        late.forward(&prompt[..3], Logits::None).unwrap();
+        let e = late
+            .follow(hgca_llm::full_attention::<f32>())
+            .expect_err("a follower after tokens");
+        assert!(matches!(e, Error::Invalid { what: "follow", .. }), "{e}");
+    }
+}
