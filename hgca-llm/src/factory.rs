@@ -32,6 +32,10 @@ pub(crate) struct SelCount {
     /// KV-head steps of the mass selector, and those that fell back to dense.
     pub(crate) head_steps: u64,
     pub(crate) dense_heads: u64,
+    /// The mass selector's estimated share of the attention mass attended,
+    /// summed over the layers' decode steps that report it, and those steps.
+    pub(crate) mass_sum: f64,
+    pub(crate) mass_steps: u64,
     /// The layers' decode-step time split (summed over steps and layers):
     /// dense side (the window), selection, sparse side (selection included),
     /// merge and MAW, whole steps.
@@ -86,6 +90,10 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
             if st.mass_estimated.is_some() || st.dense_heads > 0 {
                 c.head_steps += kvh as u64;
                 c.dense_heads += st.dense_heads as u64;
+            }
+            if let Some(m) = st.mass_estimated {
+                c.mass_sum += f64::from(m);
+                c.mass_steps += 1;
             }
             c.t_dense += st.dense;
             c.t_select += st.select;

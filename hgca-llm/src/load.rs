@@ -95,3 +95,17 @@ pub(crate) fn read_tokens(
         len *= 2;
     }
 }
+
+/// A haystack for the retrieval commands: the tokens of the whole text
+/// from its first "Chapter 1" (past a title page), or from its start.
+pub(crate) fn haystack(tok: &GgufTokenizer, path: &Path) -> Result<Vec<u32>> {
+    if !path.exists() {
+        return Err(missing(path, "text"));
+    }
+    let raw = std::fs::read_to_string(path).map_err(|source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let body = raw.find("Chapter 1").map_or(raw.as_str(), |i| &raw[i..]);
+    tok.encode(body, false)
+}

@@ -73,12 +73,7 @@ fn first_number(s: &str) -> Option<&str> {
 
 pub(crate) fn cmd_needle(cli: &Cli, a: &NeedleArgs) -> Result<()> {
     let (tok, w) = load(cli)?;
-    let raw = std::fs::read_to_string(&a.text).map_err(|e| Error::Invalid {
-        what: "--text",
-        msg: format!("{}: {e}", a.text.display()),
-    })?;
-    let body = raw.find("Chapter 1").map_or(raw.as_str(), |i| &raw[i..]);
-    let hay = tok.encode(body, false)?;
+    let hay = crate::load::haystack(&tok, &a.text)?;
     let head = tok.encode("<|im_start|>user\n", true)?;
     let question = tok.encode(
         "\n\nWhat is the secret code in the text above? Reply with the number only.<|im_end|>\n<|im_start|>assistant\n",

@@ -55,11 +55,13 @@ pub(crate) struct RulerArgs {
     /// hybrid layer with recovery RULE (frozen, rescore:N, bounds:N,
     /// mass:P[:S], or oracle:P[:S], the mass rule with exact scores: the
     /// bound of its estimate) and a window of RATIO of the context. The first leads
-    /// the prefill; `full` must be one of them (the yardstick).
+    /// the prefill; `full` must be one of them (the yardstick). The default:
+    /// the mass selector at ratios 0.25 and 0.1, its oracle (its bound) and
+    /// the paper's rule; add e.g. `rescore:16@0.25,bounds:8@0.25`.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "full,mass:0.9@0.25,mass:0.9@0.1,frozen@0.25,rescore:16@0.25"
+        default_value = "full,mass:0.9@0.25,mass:0.9@0.1,oracle:0.9@0.25,frozen@0.25"
     )]
     variants: Vec<String>,
     /// Prefill each question's turn as a chunk (by default its tokens are
@@ -308,12 +310,7 @@ pub(crate) fn cmd_ruler(cli: &Cli, a: &RulerArgs) -> Result<()> {
     }
     let (tok, w) = load(cli)?;
     let c = chat(&tok)?;
-    let raw = std::fs::read_to_string(&a.text).map_err(|e| Error::Invalid {
-        what: "--text",
-        msg: format!("{}: {e}", a.text.display()),
-    })?;
-    let body = raw.find("Chapter 1").map_or(raw.as_str(), |i| &raw[i..]);
-    let hay = tok.encode(body, false)?;
+    let hay = crate::load::haystack(&tok, &a.text)?;
     let mut report = Vec::new();
     for &context in &a.contexts {
         report.push(run_context(
@@ -484,9 +481,9 @@ fn run_context(
         t_all.elapsed().as_secs_f64()
     );
     println!(
-        "| task | variant | right | accuracy [95% CI] | same answer as full | CPU entries selected | CPU bytes read vs full | decode tok/s |"
+        "| task | variant | right | accuracy [95% CI] | same answer as full | CPU entries selected | CPU bytes read vs full | estimated mass attended | heads dense | decode tok/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     let mut tasks_all: Vec<Option<Task>> = a.tasks.iter().copied().map(Some).collect();
     tasks_all.push(None);
@@ -508,6 +505,10 @@ fn run_context(
                     sel.candidates += k.candidates;
                     sel.bytes_read += k.bytes_read;
                     sel.bytes_full += k.bytes_full;
+                    sel.head_steps += k.head_steps;
+                    sel.dense_heads += k.dense_heads;
+                    sel.mass_sum += k.mass_sum;
+                    sel.mass_steps += k.mass_steps;
                     steps += cell.steps;
                     time += cell.time;
                 }
@@ -516,14 +517,19 @@ fn run_context(
             let acc = 100.0 * right as f64 / n.max(1) as f64;
             let sel_pct = pct(sel.selected, sel.candidates);
             let bytes_pct = pct(sel.bytes_read, sel.bytes_full);
+            let mass_pct =
+                (sel.mass_steps > 0).then(|| 100.0 * sel.mass_sum / sel.mass_steps as f64);
+            let dense_pct = pct(sel.dense_heads, sel.head_steps);
             let tps = steps as f64 / time.as_secs_f64().max(1e-9);
             let show = |x: Option<f64>| x.map_or("-".into(), |x| format!("{x:.1}%"));
             println!(
-                "| {} | {} | {right}/{n} | {acc:.0}% [{lo:.0}, {hi:.0}] | {same_n}/{n} | {} | {} | {tps:.1} |",
+                "| {} | {} | {right}/{n} | {acc:.0}% [{lo:.0}, {hi:.0}] | {same_n}/{n} | {} | {} | {} | {} | {tps:.1} |",
                 task.map_or("all", Task::name),
                 v.name,
                 show(sel_pct),
                 show(bytes_pct),
+                show(mass_pct),
+                show(dense_pct),
             );
             rows.push(json!({
                 "task": task.map_or("all", Task::name),
@@ -534,6 +540,8 @@ fn run_context(
                 "same_as_full": same_n,
                 "cpu_entries_selected_pct": sel_pct,
                 "cpu_bytes_read_pct": bytes_pct,
+                "estimated_mass_pct": mass_pct,
+                "heads_dense_pct": dense_pct,
                 "decode_steps": steps,
                 "decode_tok_s": tps,
             }));
