@@ -402,10 +402,9 @@ mod tests {
             .unwrap();
             assert!(!r.dense && r.estimated_entries == n, "{r:?}");
             let w = |j: usize| (s[j] - union).exp();
-            let admitted: Vec<bool> = (0..n).map(|j| idx.contains(&(j as u32))).collect();
             let (mut min_in, mut max_out, mut out) = (f64::INFINITY, 0f64, 0f64);
             for j in 0..n {
-                if admitted[j] {
+                if idx.contains(&(j as u32)) {
                     min_in = min_in.min(w(j));
                 } else {
                     max_out = max_out.max(w(j));

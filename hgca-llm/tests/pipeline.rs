@@ -512,7 +512,8 @@ fn fork_continues_bit_for_bit_and_alone() {
     let next: Vec<u32> = (0..12u32).map(|i| (i * 29 + 7) % 250).collect();
     let other: Vec<u32> = (0..9u32).map(|i| (i * 31 + 1) % 250).collect();
     let mass = "mass:0.8".parse().unwrap();
-    let variants: [(&str, Box<dyn Fn() -> Llama>); 3] = [
+    type Make<'a> = Box<dyn Fn() -> Llama + 'a>;
+    let variants: [(&str, Make<'_>); 3] = [
         (
             "full",
             Box::new(|| Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap()),

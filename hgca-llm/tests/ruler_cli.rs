@@ -37,7 +37,7 @@ fn ruler(dir: &Path, args: &[&str]) -> std::process::Output {
 #[test]
 fn ruler_runs_every_task_and_variant_and_scores_consistently() {
     let dir = tempfile::tempdir().unwrap();
-    write_tiny_llama(&dir.path().join("tiny.gguf"), &SynthSpec::default()).unwrap();
+    write_tiny_llama(dir.path().join("tiny.gguf"), &SynthSpec::default()).unwrap();
     haystack(&dir.path().join("hay.txt"));
     let json = dir.path().join("out.json");
     let out = ruler(
@@ -120,7 +120,7 @@ fn ruler_runs_every_task_and_variant_and_scores_consistently() {
 #[test]
 fn ruler_refuses_bad_variant_lists() {
     let dir = tempfile::tempdir().unwrap();
-    write_tiny_llama(&dir.path().join("tiny.gguf"), &SynthSpec::default()).unwrap();
+    write_tiny_llama(dir.path().join("tiny.gguf"), &SynthSpec::default()).unwrap();
     haystack(&dir.path().join("hay.txt"));
     for (variants, says) in [
         ("mass:0.9@0.25", "`full`"),

@@ -216,7 +216,7 @@ fn prompt(
                 hay.len()
             ),
         })?;
-    let mut r = tasks::Rng::new(seed ^ 0x5EED_0F_5EED, doc.task, i);
+    let mut r = tasks::Rng::new(seed ^ 0x005E_ED0F_5EED, doc.task, i);
     let start = r.below(hay.len() - fill);
     let hay = &hay[start..start + fill];
     let mut at = 0;
