@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Real models through hgca's attention, over Austen's Persuasion (from
 # Debian): SmolLM2-135M (GGUF from PyPI), full vs hybrid perplexity; then a
-# long-context retrieval on Qwen2.5-Coder-0.5B (GGUF from PyPI, ~490 MB): a
-# needle in a 16k-token prompt and the shift task, full attention against
-# the hybrid layer and the paper's frozen rule. Downloads the models and the
-# text on first run (scripts/fetch-model.sh). HGCA_QUICK=1 skips the 16k run
-# (about ten minutes on 2 cores, most of it the two 16k prefills).
+# long-context retrieval on Qwen2.5-Coder-0.5B (GGUF from PyPI, ~490 MB): the
+# shift task in a 16k-token prompt, full attention against the hybrid layer
+# and the paper's frozen rule. Downloads the models and the text on first
+# run (scripts/fetch-model.sh). HGCA_QUICK=1 skips the 16k run (about nine
+# minutes on 2 cores, most of it the 16k prefill of the three variants).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/fetch-model.sh --qwen2
@@ -19,9 +19,9 @@ echo "-- perplexity, 2048-token context, last 256 tokens decoded one by one: ful
 target/release/hgca-llm --weights f32 ppl --tokens 2048 --context 2048 --score-from 1792 --decode \
   --attn full,hybrid --window-ratio 0.25 --recovery mass:0.9
 if [[ "${HGCA_QUICK:-0}" != 1 ]]; then
-  echo "-- long-context retrieval: Qwen2.5-Coder-0.5B, 16k-token prompts (a needle; the shift task's two"
-  echo "   questions, 25% then 75% deep and back), full attention vs the hybrid layer (window 0.25,"
-  echo "   default mass selector) vs the paper's frozen rule, from one prefill per document"
+  echo "-- long-context retrieval: Qwen2.5-Coder-0.5B, a 16k-token prompt with two needles 25% and 75%"
+  echo "   deep, asked in a two-turn chat one way and back (the shift task): full attention vs the hybrid"
+  echo "   layer (window 0.25, default mass selector) vs the paper's frozen rule, from one prefill"
   target/release/hgca-llm --model models/Qwen2.5-Coder-0.5B-Instruct.gguf ruler --contexts 16384 \
-    --tasks single,shift --docs 1 --variants full,mass:0.9@0.25,frozen@0.25
+    --tasks shift --docs 1 --variants full,mass:0.9@0.25,frozen@0.25
 fi
