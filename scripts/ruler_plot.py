@@ -21,7 +21,7 @@ def panels(paths):
         model = doc["model"].rsplit("/", 1)[-1].replace(".gguf", "")
         for ctx in doc["contexts"]:
             rows = [c for c in ctx["cells"] if c["task"] == "all"]
-            yield f"{model}, {ctx['context']} tokens", rows
+            yield f"{model}, {ctx['context']} tokens, seed {doc['seed']}", rows
 
 
 def panel(x0, y0, title, rows):
