@@ -51,7 +51,8 @@ pub(crate) enum Cmd {
         /// Hybrid: window size as a fraction of the context.
         #[arg(long, default_value_t = 0.25)]
         window_ratio: f64,
-        /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S]).
+        /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
+        /// or oracle:P[:S]: the mass rule on exact scores).
         #[arg(long, default_value = "mass:0.9")]
         recovery: String,
     },
@@ -117,7 +118,8 @@ pub(crate) struct PplArgs {
     /// re-scoring every N steps), bounds:N (Quest-style top N blocks),
     /// mass:P[:S] (the default: per head, CPU entries until an estimated
     /// share P of the attention mass, at most a share S of them, 0.5 by
-    /// default, else all).
+    /// default, else all), oracle:P[:S] (the mass rule on exact scores: its
+    /// bound, reading every key).
     #[arg(long, default_value = "mass:0.9")]
     pub(crate) recovery: String,
     /// Hybrid: eviction block (power of two).
