@@ -47,6 +47,20 @@ pub(crate) struct SelCount {
     pub(crate) steps: u64,
 }
 
+impl SelCount {
+    /// Adds `o`'s selection and byte counters (not its times) to these.
+    pub(crate) fn add(&mut self, o: &SelCount) {
+        self.selected += o.selected;
+        self.candidates += o.candidates;
+        self.bytes_read += o.bytes_read;
+        self.bytes_full += o.bytes_full;
+        self.head_steps += o.head_steps;
+        self.dense_heads += o.dense_heads;
+        self.mass_sum += o.mass_sum;
+        self.mass_steps += o.mass_steps;
+    }
+}
+
 /// A hybrid layer that adds its selection statistics to a shared counter
 /// (which its forks share).
 #[derive(Clone)]

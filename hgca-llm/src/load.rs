@@ -59,13 +59,7 @@ pub(crate) fn read_tokens(
     from: &str,
     n: usize,
 ) -> Result<Vec<u32>> {
-    if !path.exists() {
-        return Err(missing(path, "text"));
-    }
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = read_text(path)?;
     let start = if from.is_empty() {
         0
     } else {
@@ -99,13 +93,18 @@ pub(crate) fn read_tokens(
 /// A haystack for the retrieval commands: the tokens of the whole text
 /// from its first "Chapter 1" (past a title page), or from its start.
 pub(crate) fn haystack(tok: &GgufTokenizer, path: &Path) -> Result<Vec<u32>> {
+    let raw = read_text(path)?;
+    let body = raw.find("Chapter 1").map_or(raw.as_str(), |i| &raw[i..]);
+    tok.encode(body, false)
+}
+
+/// The whole text file, or an error saying how to fetch it.
+fn read_text(path: &Path) -> Result<String> {
     if !path.exists() {
         return Err(missing(path, "text"));
     }
-    let raw = std::fs::read_to_string(path).map_err(|source| Error::Io {
+    std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    let body = raw.find("Chapter 1").map_or(raw.as_str(), |i| &raw[i..]);
-    tok.encode(body, false)
+    })
 }

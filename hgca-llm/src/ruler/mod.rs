@@ -500,15 +500,7 @@ fn run_context(
             let (mut steps, mut time) = (0, Duration::ZERO);
             for ((t, cvi), cell) in &cells {
                 if *cvi == vi && task.is_none_or(|x| x == *t) {
-                    let k = cell.count.lock().unwrap_or_else(|e| e.into_inner());
-                    sel.selected += k.selected;
-                    sel.candidates += k.candidates;
-                    sel.bytes_read += k.bytes_read;
-                    sel.bytes_full += k.bytes_full;
-                    sel.head_steps += k.head_steps;
-                    sel.dense_heads += k.dense_heads;
-                    sel.mass_sum += k.mass_sum;
-                    sel.mass_steps += k.mass_steps;
+                    sel.add(&cell.count.lock().unwrap_or_else(|e| e.into_inner()));
                     steps += cell.steps;
                     time += cell.time;
                 }
