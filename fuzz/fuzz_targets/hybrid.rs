@@ -83,6 +83,11 @@ fuzz_target!(|c: Case| {
             }),
         },
         refresh_queries: usize::from(c.refresh % 4),
+        key_codes: if c.param % 2 == 0 {
+            hgca_hybrid::KeyCodes::Int4
+        } else {
+            hgca_hybrid::KeyCodes::Int8
+        },
     };
     let Ok(mut layer) = HybridAttention::<_, _, f32>::cpu(shape, cfg.clone()) else {
         return;

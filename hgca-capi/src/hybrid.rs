@@ -115,6 +115,8 @@ pub unsafe extern "C" fn hgca_hybrid_new(
             alpha: c.alpha,
             recovery,
             refresh_queries: c.refresh_queries,
+            // The mass selector's key copy: the library's default.
+            ..HybridConfig::default()
         };
         let cpu = CpuBackend::new().with_par(Par::from_threads(c.threads as usize))?;
         let inner = match c.dtype {

@@ -28,5 +28,5 @@ pub use backend::{CpuBackend, Executor, Par};
 pub use batch::{BatchTokens, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
-pub use select::{INT8_TILE, Int8Keys, quantize_i8};
+pub use select::{INT8_TILE, Int4Keys, Int8Keys, quantize_i4, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

@@ -115,6 +115,67 @@ impl CpuBackend {
         Ok(())
     }
 
+    /// [`Self::int8_max_scores`] over an int4 copy of the keys
+    /// ([`Int4Keys`], codes from [`quantize_i4`]): the same formula, with
+    /// `keys` holding two codes per byte in tiles of [`INT8_TILE`] rows,
+    /// dimension-major, so that row `j`'s element `i` is in byte
+    /// `(j / INT8_TILE) * INT8_TILE / 2 * d + i * INT8_TILE / 2 + j % 8`,
+    /// the low nibble for `j % INT8_TILE < 8` and the high one otherwise
+    /// (two's complement, `-7..=7`). Each estimate is within
+    /// `|q_h|_1 k_scale[j] / 2` (plus f32 rounding) of the exact `q_h·k_j`,
+    /// with a scale of `max |k| / 7`: an eighth of an f32 key's bytes and a
+    /// quarter of an f16 key's. Non-finite scales give `+inf`.
+    ///
+    /// ```
+    /// use hgca_cpu::{CpuBackend, Int4Keys};
+    /// let mut keys = Int4Keys::new(4);
+    /// keys.push(&[2.0, 0.0, 0.0, 0.0]);
+    /// keys.push(&[0.0, 1.0, 0.0, 4.0]);
+    /// let mut out = [0.0; 2];
+    /// let q = [1.0, 0.0, 0.0, 0.5];
+    /// CpuBackend::new().int4_max_scores(&q, &[0.5], 4, keys.codes(), keys.scales(), &mut out)?;
+    /// assert!((out[0] - 1.5).abs() < 0.2 && (out[1] - 1.5).abs() < 0.5);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `q`, `keys` or `out` do not fit `heads`, `n`
+    /// and `d`; [`Error::Zero`] for `d == 0`.
+    pub fn int4_max_scores(
+        &self,
+        q: &[f32],
+        offset: &[f32],
+        d: usize,
+        keys: &[u8],
+        k_scale: &[f32],
+        out: &mut [f32],
+    ) -> Result<()> {
+        if d == 0 {
+            return Err(Error::Zero { what: "head dim" });
+        }
+        let (heads, n) = (offset.len(), k_scale.len());
+        check_len_of("q", &[heads, d], q.len())?;
+        check_len_of(
+            "keys (whole tiles)",
+            &[n.div_ceil(INT8_TILE), INT8_TILE / 2, d],
+            keys.len(),
+        )?;
+        check_len("out (one per key row)", n, out.len())?;
+        out.fill(f32::NEG_INFINITY);
+        for (qp, op) in q.chunks(8 * d).zip(offset.chunks(8)) {
+            macro_rules! rows {
+                ($($h:literal)*) => {
+                    match op.len() {
+                        $($h => dispatch!(self.isa(), _s => int4_scores::<$h>(qp, op, d, keys, k_scale, out)),)*
+                        _ => unreachable!("chunks of at most 8 rows"),
+                    }
+                };
+            }
+            rows!(1 2 3 4 5 6 7 8);
+        }
+        Ok(())
+    }
+
     /// Appends `base + i` to `out` for every `values[i] > threshold` (NaN
     /// never passes), in order: the MAW rule's scan, one vector compare per
     /// `LANES` entries and scalar work only where a vector has a hit.
@@ -492,6 +553,116 @@ impl Int8Keys {
     }
 }
 
+/// An int4 copy of key rows in the tiled layout of
+/// [`CpuBackend::int4_max_scores`] (two codes per byte), one scale per row
+/// ([`quantize_i4`]).
+#[derive(Debug, Clone, Default)]
+pub struct Int4Keys {
+    d: usize,
+    codes: Vec<u8>,
+    scales: Vec<f32>,
+    row: Vec<i8>,
+}
+
+impl Int4Keys {
+    /// An empty copy of rows of `d` elements.
+    pub fn new(d: usize) -> Self {
+        Self {
+            d,
+            ..Self::default()
+        }
+    }
+
+    /// Appends one key row (`d` elements).
+    ///
+    /// # Panics
+    /// When `k` is not `d` long.
+    pub fn push(&mut self, k: &[f32]) {
+        let (d, j) = (self.d, self.scales.len());
+        assert_eq!(k.len(), d, "Int4Keys::push: a row of d elements");
+        self.row.resize(d, 0);
+        self.scales.push(quantize_i4(k, &mut self.row));
+        const HALF: usize = INT8_TILE / 2;
+        if j % INT8_TILE == 0 {
+            self.codes.resize(self.codes.len() + HALF * d, 0);
+        }
+        let tile = &mut self.codes[(j / INT8_TILE) * HALF * d..][..HALF * d];
+        let (lane, high) = (j % HALF, j % INT8_TILE >= HALF);
+        for (i, &c) in self.row.iter().enumerate() {
+            let b = &mut tile[i * HALF + lane];
+            let nib = (c as u8) & 0x0f;
+            *b = if high {
+                (*b & 0x0f) | (nib << 4)
+            } else {
+                (*b & 0xf0) | nib
+            };
+        }
+    }
+
+    /// Rows held.
+    pub fn len(&self) -> usize {
+        self.scales.len()
+    }
+
+    /// Whether no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.scales.is_empty()
+    }
+
+    /// The packed codes, tiled (whole tiles).
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    /// One scale per row.
+    pub fn scales(&self) -> &[f32] {
+        &self.scales
+    }
+
+    /// Row `j`'s element `i` as its code (`-7..=7`).
+    ///
+    /// # Panics
+    /// When `j` or `i` is out of range.
+    pub fn code(&self, j: usize, i: usize) -> i8 {
+        assert!(j < self.len() && i < self.d, "Int4Keys::code: out of range");
+        const HALF: usize = INT8_TILE / 2;
+        let b = self.codes[(j / INT8_TILE) * HALF * self.d + i * HALF + j % HALF];
+        if j % INT8_TILE >= HALF {
+            (b as i8) >> 4
+        } else {
+            ((b << 4) as i8) >> 4
+        }
+    }
+
+    /// The codes and scales of rows `range`, which must start at a tile
+    /// boundary (a multiple of [`INT8_TILE`]).
+    ///
+    /// # Panics
+    /// When `range` is out of bounds or does not start at a tile boundary.
+    pub fn rows(&self, range: std::ops::Range<usize>) -> (&[u8], &[f32]) {
+        assert!(
+            range.start.is_multiple_of(INT8_TILE),
+            "Int4Keys::rows: a tile boundary"
+        );
+        let t = self.d * INT8_TILE / 2;
+        let tiles = range.start / INT8_TILE..range.end.div_ceil(INT8_TILE);
+        (
+            &self.codes[tiles.start * t..tiles.end * t],
+            &self.scales[range],
+        )
+    }
+}
+
+/// Symmetric int4 quantisation of one row, as [`quantize_i8`] with codes in
+/// `-7..=7` (`scale = max |x| / 7`): each element is within `scale / 2` of
+/// `scale * out[i]`.
+///
+/// # Panics
+/// When `out` is not as long as `x`.
+pub fn quantize_i4(x: &[f32], out: &mut [i8]) -> f32 {
+    quantize_sym(x, out, 7)
+}
+
 /// Symmetric int8 quantisation of one row: `out[i] = round(x[i] / scale)`
 /// with `scale = max |x| / 127`, returned (0 for a row of zeros; `+inf`,
 /// codes 0, for a row holding an infinity or a NaN). Each element is then
@@ -500,7 +671,12 @@ impl Int8Keys {
 /// # Panics
 /// When `out` is not as long as `x`.
 pub fn quantize_i8(x: &[f32], out: &mut [i8]) -> f32 {
-    assert_eq!(x.len(), out.len(), "quantize_i8: one code per element");
+    quantize_sym(x, out, 127)
+}
+
+/// Symmetric quantisation to codes in `-top..=top`, the scale returned.
+fn quantize_sym(x: &[f32], out: &mut [i8], top: i8) -> f32 {
+    assert_eq!(x.len(), out.len(), "quantize: one code per element");
     let amax = x.iter().fold(0.0f32, |m, &v| m.max(v.abs()));
     if !amax.is_finite() || x.iter().any(|v| v.is_nan()) {
         out.fill(0);
@@ -510,12 +686,13 @@ pub fn quantize_i8(x: &[f32], out: &mut [i8]) -> f32 {
         out.fill(0);
         return 0.0;
     }
-    let inv = 127.0 / amax;
+    let top = f32::from(top);
+    let inv = top / amax;
     for (o, &v) in out.iter_mut().zip(x) {
-        // |v * inv| <= 127 up to rounding; the clamp keeps it a code.
-        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        // |v * inv| <= top up to rounding; the clamp keeps it a code.
+        *o = (v * inv).round().clamp(-top, top) as i8;
     }
-    amax / 127.0
+    amax / top
 }
 
 /// [`CpuBackend::int8_max_scores`] for `H` query rows: per tile, `H`
@@ -541,6 +718,51 @@ fn int8_scores<const H: usize>(
             let mut k = [0.0f32; T];
             for (x, &c) in k.iter_mut().zip(col) {
                 *x = f32::from(c);
+            }
+            for (a, qh) in acc.iter_mut().zip(q.chunks_exact(d)) {
+                let qi = qh[i];
+                for (x, &y) in a.iter_mut().zip(&k) {
+                    *x = qi.mul_add(y, *x);
+                }
+            }
+        }
+        for (l, (o, &sc)) in o.iter_mut().zip(s).enumerate() {
+            *o = if sc.is_finite() {
+                acc.iter()
+                    .zip(off)
+                    .fold(*o, |m, (a, &c)| m.max(a[l] * sc - c))
+            } else {
+                f32::INFINITY
+            };
+        }
+    }
+}
+
+/// [`CpuBackend::int4_max_scores`] for `H` query rows, as [`int8_scores`]
+/// with each dimension's 8 bytes unpacked to the tile's 16 codes.
+#[inline(always)]
+fn int4_scores<const H: usize>(
+    q: &[f32],
+    off: &[f32],
+    d: usize,
+    keys: &[u8],
+    ks: &[f32],
+    out: &mut [f32],
+) {
+    const T: usize = INT8_TILE;
+    const HALF: usize = INT8_TILE / 2;
+    for ((tile, s), o) in keys
+        .chunks_exact(HALF * d)
+        .zip(ks.chunks(T))
+        .zip(out.chunks_mut(T))
+    {
+        let mut acc = [[0.0f32; T]; H];
+        for (i, col) in tile.chunks_exact(HALF).enumerate() {
+            let mut k = [0.0f32; T];
+            let (lo, hi) = k.split_at_mut(HALF);
+            for ((l, h), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(col) {
+                *l = f32::from(((c << 4) as i8) >> 4);
+                *h = f32::from((c as i8) >> 4);
             }
             for (a, qh) in acc.iter_mut().zip(q.chunks_exact(d)) {
                 let qi = qh[i];

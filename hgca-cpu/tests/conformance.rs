@@ -418,14 +418,26 @@ fn bounds_case<T: KvElem>(
     Ok(())
 }
 
-/// The int8 score estimate: against the formula in f64 over the same
-/// codes (an exact integer dot product, so only f32 rounding differs), and
-/// within the quantisation bound of the exact score; rows holding an
+/// The int8 and int4 score estimates: against the formula in f64 over the
+/// same codes (an exact integer dot product, so only f32 rounding differs),
+/// and within the quantisation bound of the exact score; rows holding an
 /// infinity or a NaN give `+inf`.
-fn int8_case(b: &CpuBackend, heads: usize, d: usize, n: usize, seed: u64) -> Result<(), String> {
-    use hgca_cpu::{INT8_TILE, Int8Keys};
+fn quant_case(b: &CpuBackend, heads: usize, d: usize, n: usize, seed: u64) -> Result<(), String> {
+    codes_case(b, heads, d, n, seed, 8)?;
+    codes_case(b, heads, d, n, seed, 4)
+}
+
+fn codes_case(
+    b: &CpuBackend,
+    heads: usize,
+    d: usize,
+    n: usize,
+    seed: u64,
+    bits: u8,
+) -> Result<(), String> {
+    use hgca_cpu::{INT8_TILE, Int4Keys, Int8Keys};
     let mut rng = Rng::new(seed);
-    let mut keys = Int8Keys::new(d);
+    let (mut k8, mut k4) = (Int8Keys::new(d), Int4Keys::new(d));
     let mut rows = Vec::new();
     for j in 0..n {
         let mut k: Vec<f32> = (0..d).map(|_| 3.0 * rng.sym()).collect();
@@ -435,27 +447,41 @@ fn int8_case(b: &CpuBackend, heads: usize, d: usize, n: usize, seed: u64) -> Res
         if j % 17 == 3 {
             k.fill(0.0);
         }
-        keys.push(&k);
+        k8.push(&k);
+        k4.push(&k);
         rows.push(k);
     }
     let q: Vec<f32> = (0..heads * d).map(|_| 2.0 * rng.sym()).collect();
     let off: Vec<f32> = (0..heads).map(|_| 5.0 * rng.sym()).collect();
     let mut out = vec![f32::NAN; n];
-    b.int8_max_scores(&q, &off, d, keys.codes(), keys.scales(), &mut out)
-        .map_err(|e| e.to_string())?;
     let tile = INT8_TILE;
+    let (scales, top): (&[f32], f64) = if bits == 8 {
+        b.int8_max_scores(&q, &off, d, k8.codes(), k8.scales(), &mut out)
+            .map_err(|e| e.to_string())?;
+        (k8.scales(), 127.0)
+    } else {
+        b.int4_max_scores(&q, &off, d, k4.codes(), k4.scales(), &mut out)
+            .map_err(|e| e.to_string())?;
+        (k4.scales(), 7.0)
+    };
     for (j, k) in rows.iter().enumerate() {
-        let sc = keys.scales()[j];
+        let sc = scales[j];
         if k.iter().any(|x| !x.is_finite()) {
             if out[j] != f32::INFINITY {
                 return Err(format!(
-                    "row {j} holds a non-finite key: {} (want +inf)",
+                    "int{bits}: row {j} holds a non-finite key: {} (want +inf)",
                     out[j]
                 ));
             }
             continue;
         }
-        let code = |i: usize| f64::from(keys.codes()[(j / tile) * tile * d + i * tile + j % tile]);
+        let code = |i: usize| {
+            f64::from(if bits == 8 {
+                k8.codes()[(j / tile) * tile * d + i * tile + j % tile]
+            } else {
+                k4.code(j, i)
+            })
+        };
         let (mut want, mut exact, mut slack) = (f64::NEG_INFINITY, f64::NEG_INFINITY, 0.0f64);
         for h in 0..heads {
             let qh = &q[h * d..(h + 1) * d];
@@ -473,15 +499,15 @@ fn int8_case(b: &CpuBackend, heads: usize, d: usize, n: usize, seed: u64) -> Res
                     .iter()
                     .map(|x| f64::from(x.abs()))
                     .sum();
-                l1 * 127.0 * f64::from(sc) + f64::from(off[h].abs())
+                l1 * top * f64::from(sc) + f64::from(off[h].abs())
             })
             .fold(0.0, f64::max);
         if (got - want).abs() > 1e-5 * mag + 1e-30 {
-            return Err(format!("row {j}: {got} vs the formula's {want}"));
+            return Err(format!("int{bits}: row {j}: {got} vs the formula's {want}"));
         }
         if (got - exact).abs() > slack * (1.0 + 1e-4) + 1e-5 * mag {
             return Err(format!(
-                "row {j}: {got} vs exact {exact}, beyond the bound {slack}"
+                "int{bits}: row {j}: {got} vs exact {exact}, beyond the bound {slack}"
             ));
         }
     }
@@ -676,14 +702,14 @@ macro_rules! isa_suite {
                 }
 
                 #[test]
-                fn int8_scores_match_their_formula(
+                fn quantized_scores_match_their_formula(
                     heads in 1usize..12,
                     d in 1usize..140,
                     n in 0usize..70,
                     seed in any::<u64>(),
                 ) {
                     if let Some(b) = backend($kind, Par::Seq) {
-                        let r = int8_case(&b, heads, d, n, seed);
+                        let r = quant_case(&b, heads, d, n, seed);
                         prop_assert!(r.is_ok(), "{}", r.unwrap_err());
                     }
                 }
@@ -1163,4 +1189,46 @@ fn int8_scores_reject_bad_lengths_with_typed_errors() {
     b.int8_max_scores(&[1.0, 0.0, 0.0, 0.0], &[0.0], 4, codes, scales, &mut out)
         .unwrap();
     assert!((out[0] - 1.0).abs() < 2.0 / 127.0, "{}", out[0]);
+}
+
+#[test]
+fn int4_scores_reject_bad_lengths_with_typed_errors() {
+    use hgca_cpu::Int4Keys;
+    let b = CpuBackend::new();
+    let mut keys = Int4Keys::new(4);
+    keys.push(&[1.0, -2.0, 0.5, 0.0]);
+    assert_eq!(
+        (0..4).map(|i| keys.code(0, i)).collect::<Vec<_>>(),
+        [4, -7, 2, 0],
+        "codes round to the nearest of -7..=7 (0.5 * 3.5 = 1.75 -> 2)"
+    );
+    let (codes, scales) = (keys.codes(), keys.scales());
+    let mut out = [0.0f32; 1];
+    let len = |r: Result<(), Error>, want: &str| match r {
+        Err(Error::Length { what, .. }) => assert_eq!(what, want),
+        other => panic!("{want}: {other:?}"),
+    };
+    len(
+        b.int4_max_scores(&[0.0; 3], &[0.0], 4, codes, scales, &mut out),
+        "q",
+    );
+    len(
+        b.int4_max_scores(&[0.0; 4], &[0.0], 4, &codes[..8], scales, &mut out),
+        "keys (whole tiles)",
+    );
+    len(
+        b.int4_max_scores(&[0.0; 4], &[0.0], 4, codes, scales, &mut [0.0; 2]),
+        "out (one per key row)",
+    );
+    assert!(matches!(
+        b.int4_max_scores(&[], &[0.0], 0, codes, scales, &mut out),
+        Err(Error::Zero { .. })
+    ));
+    b.int4_max_scores(&[0.0, 1.0, 0.0, 0.0], &[0.0], 4, codes, scales, &mut out)
+        .unwrap();
+    assert!(
+        (out[0] + 2.0).abs() < 1e-6,
+        "code -7 times the scale 2/7: {}",
+        out[0]
+    );
 }

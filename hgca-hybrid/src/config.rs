@@ -72,6 +72,39 @@ impl std::str::FromStr for Recovery {
     }
 }
 
+/// The low-bit copy of the CPU keys that the mass-targeted selector
+/// ([`Recovery::Mass`]) estimates scores from. Each KV head's keys are
+/// first whitened per channel (a centre and a gain from the first keys the
+/// CPU store receives, the sinks left out), so that a few large channels,
+/// such as those a key bias makes, do not take the whole range of a row's
+/// codes; then each row is quantised symmetrically with its own scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyCodes {
+    /// One byte per element (`-127..=127`).
+    Int8,
+    /// Half a byte per element (`-7..=7`).
+    #[default]
+    Int4,
+}
+
+impl KeyCodes {
+    /// Bytes the estimate reads per key row of `d` elements: the codes
+    /// and the row's f32 scale.
+    ///
+    /// ```
+    /// use hgca_hybrid::KeyCodes;
+    /// assert_eq!(KeyCodes::Int8.row_bytes(64), 68);
+    /// assert_eq!(KeyCodes::Int4.row_bytes(64), 36);
+    /// ```
+    pub fn row_bytes(self, d: usize) -> usize {
+        let codes = match self {
+            KeyCodes::Int8 => d,
+            KeyCodes::Int4 => d.div_ceil(2),
+        };
+        codes + 4
+    }
+}
+
 /// Configuration of a [`HybridAttention`](crate::HybridAttention) layer.
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -96,6 +129,8 @@ pub struct HybridConfig {
     /// see the chunk's last few tokens). 1 is the chunk's last query alone;
     /// a chunk shorter than `refresh_queries` uses all its queries.
     pub refresh_queries: usize,
+    /// The mass selector's copy of the CPU keys (unused by the other rules).
+    pub key_codes: KeyCodes,
 }
 
 impl Default for HybridConfig {
@@ -122,6 +157,7 @@ impl Default for HybridConfig {
                 max_share: 0.5,
             }),
             refresh_queries: 1,
+            key_codes: KeyCodes::default(),
         }
     }
 }

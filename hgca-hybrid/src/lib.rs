@@ -20,7 +20,7 @@ mod seq;
 mod stats;
 
 pub use batch::{HybridBatch, SeqId};
-pub use config::{HybridConfig, Recovery};
+pub use config::{HybridConfig, KeyCodes, Recovery};
 pub use full::FullAttention;
 pub use layer::HybridAttention;
 pub use stats::StepStats;

@@ -11,15 +11,182 @@
 //!    stays within a quarter of the budget are dropped unseen: what they
 //!    hold is at most that (the bound is rigorous; the normaliser is an
 //!    estimate).
-//! 2. **An int8 copy of the keys** (one byte per element, one scale per
-//!    row): estimated scores of every entry of the remaining blocks.
+//! 2. **A low-bit copy of the keys** ([`KeyCodes`]: int4 or int8 codes,
+//!    one scale per row, after a per-channel whitening): estimated scores
+//!    of every entry of the remaining blocks.
 //!
 //! The weights are normalised against the union of the window and the CPU
 //! store: the reference is the union's lse of the previous step, and the
 //! window's share of it then (the window changes by one token a step).
 
-use hgca_cpu::{CpuBackend, INT8_TILE, Int8Keys};
+use hgca_cpu::{CpuBackend, INT8_TILE, Int4Keys, Int8Keys};
 use hgca_kernels::{KvElem, KvSource, MassTarget, Result};
+
+use crate::KeyCodes;
+
+/// The codes of a [`KeyCopy`].
+#[derive(Debug, Clone)]
+enum Codes {
+    Int8(Int8Keys),
+    Int4(Int4Keys),
+}
+
+/// The low-bit copy of one KV head's CPU keys: each row whitened per
+/// channel, `(k - center) / gain`, then quantised with its own scale. The
+/// centre and gain come from the first rows pushed (the sinks left out when
+/// there are others): a fixed affine map, which the estimate folds into the
+/// query (`q·k = (q ∘ gain)·k' + q·center`).
+#[derive(Debug, Clone)]
+pub(crate) struct KeyCopy {
+    codes: Codes,
+    center: Vec<f32>,
+    gain: Vec<f32>,
+    row: Vec<f32>,
+}
+
+impl KeyCopy {
+    pub(crate) fn new(kind: KeyCodes, d: usize) -> Self {
+        Self {
+            codes: match kind {
+                KeyCodes::Int8 => Codes::Int8(Int8Keys::new(d)),
+                KeyCodes::Int4 => Codes::Int4(Int4Keys::new(d)),
+            },
+            center: Vec::new(),
+            gain: Vec::new(),
+            row: vec![0.0; d],
+        }
+    }
+
+    /// Rows held.
+    pub(crate) fn len(&self) -> usize {
+        match &self.codes {
+            Codes::Int8(k) => k.len(),
+            Codes::Int4(k) => k.len(),
+        }
+    }
+
+    /// Appends `rows` (`[n, d]`), the first being entry `self.len()`; the
+    /// first call also fixes the whitening, from its rows at or past
+    /// `sinks` (all of them when there are no others).
+    pub(crate) fn push<T: KvElem>(&mut self, rows: &[T], sinks: usize) {
+        let d = self.row.len();
+        if d == 0 {
+            return;
+        }
+        if self.gain.is_empty() {
+            let n = rows.len() / d;
+            let skip = if sinks < n { sinks } else { 0 };
+            self.calibrate(&rows[skip * d..]);
+        }
+        for k in rows.chunks_exact(d) {
+            for (((r, &x), &c), &g) in self.row.iter_mut().zip(k).zip(&self.center).zip(&self.gain)
+            {
+                *r = (x.to_f32() - c) / g;
+            }
+            match &mut self.codes {
+                Codes::Int8(c) => c.push(&self.row),
+                Codes::Int4(c) => c.push(&self.row),
+            }
+        }
+    }
+
+    /// The per-channel mean and standard deviation of `rows` (finite values
+    /// only), the gains floored at a hundredth of the largest (a channel
+    /// nearly constant in the first rows must not blow up later ones).
+    fn calibrate<T: KvElem>(&mut self, rows: &[T]) {
+        let d = self.row.len();
+        let (mut sum, mut sq, mut cnt) = (vec![0f64; d], vec![0f64; d], vec![0u32; d]);
+        for k in rows.chunks_exact(d) {
+            for (i, &x) in k.iter().enumerate() {
+                let x = f64::from(x.to_f32());
+                if x.is_finite() {
+                    sum[i] += x;
+                    sq[i] += x * x;
+                    cnt[i] += 1;
+                }
+            }
+        }
+        self.center = (0..d)
+            .map(|i| {
+                if cnt[i] > 0 {
+                    (sum[i] / f64::from(cnt[i])) as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let sd: Vec<f64> = (0..d)
+            .map(|i| {
+                if cnt[i] == 0 {
+                    return 0.0;
+                }
+                let m = sum[i] / f64::from(cnt[i]);
+                (sq[i] / f64::from(cnt[i]) - m * m).max(0.0).sqrt()
+            })
+            .collect();
+        let top = sd.iter().copied().fold(0.0, f64::max);
+        self.gain = sd
+            .iter()
+            .map(|&g| {
+                let g = if top > 0.0 && top.is_finite() {
+                    g.max(top / 100.0)
+                } else {
+                    1.0
+                };
+                if g.is_finite() && g > 0.0 {
+                    g as f32
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        if !self.center.iter().all(|c| c.is_finite()) {
+            self.center.fill(0.0);
+        }
+    }
+
+    /// One scale per row (the quantisation step of its codes).
+    fn scales(&self) -> &[f32] {
+        match &self.codes {
+            Codes::Int8(k) => k.scales(),
+            Codes::Int4(k) => k.scales(),
+        }
+    }
+
+    /// Estimated `max_h (q_h·k_j - offset_h)` for rows `start..end`
+    /// (`start` on a tile boundary) into `out`; `q` holds the group's
+    /// scaled queries and `qw` is scratch.
+    fn scores(
+        &self,
+        cpu: &CpuBackend,
+        q: &[f32],
+        offset: &[f32],
+        qw: &mut Vec<f32>,
+        ow: &mut Vec<f32>,
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let d = self.row.len();
+        // Fold the whitening into the queries and offsets.
+        qw.clear();
+        ow.clear();
+        for (qh, &o) in q.chunks_exact(d).zip(offset) {
+            qw.extend(qh.iter().zip(&self.gain).map(|(&x, &g)| x * g));
+            let shift: f32 = qh.iter().zip(&self.center).map(|(&x, &c)| x * c).sum();
+            ow.push(o - shift);
+        }
+        match &self.codes {
+            Codes::Int8(k) => {
+                let (codes, scales) = k.rows(rows);
+                cpu.int8_max_scores(qw, ow, d, codes, scales, out)
+            }
+            Codes::Int4(k) => {
+                let (codes, scales) = k.rows(rows);
+                cpu.int4_max_scores(qw, ow, d, codes, scales, out)
+            }
+        }
+    }
+}
 
 /// Log-space histogram of the estimated weights: buckets of
 /// `1 / BUCKETS_PER_NAT` nats below the largest, the last one holding
@@ -36,7 +203,7 @@ pub(crate) struct HeadReport {
     /// True when the target needed more than `max_share` of the CPU
     /// entries and the head took all of them instead.
     pub(crate) dense: bool,
-    /// Entries whose int8 estimate was computed (the rest were dropped by
+    /// Entries whose low-bit estimate was computed (the rest were dropped by
     /// their block bounds).
     pub(crate) estimated_entries: usize,
 }
@@ -45,13 +212,25 @@ pub(crate) struct HeadReport {
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Scratch {
     q: Vec<f32>,
+    qw: Vec<f32>,
+    ow: Vec<f32>,
     ub: Vec<f32>,
     blocks: Vec<(f32, u32)>,
     culled: Vec<bool>,
     est: Vec<f32>,
     /// The estimates' weights against the largest, `exp(est - top)`.
     w: Vec<f32>,
+    /// Per unit of a row's scale, the admission margin of its estimate
+    /// (0 for exact scores).
+    margin: f32,
 }
+
+/// The admission margin in standard deviations of an estimate's rounding
+/// error: an entry is admitted when its estimate is within this many of
+/// them below the threshold. Without it the entries left out are those the
+/// rounding pushed down (chosen by their error), and with int4 codes the
+/// mass they truly hold was several times the budget.
+const MARGIN_SIGMAS: f32 = 2.0;
 
 /// One KV head's inputs.
 pub(crate) struct Head<'a, T> {
@@ -65,8 +244,8 @@ pub(crate) struct Head<'a, T> {
     pub(crate) win_lse: &'a [f32],
     /// The head's block bounds (`[blocks, 2, d]`, the KV dtype).
     pub(crate) bounds: &'a [T],
-    /// The int8 copy of the head's CPU keys.
-    pub(crate) keys: &'a Int8Keys,
+    /// The low-bit copy of the head's CPU keys.
+    pub(crate) keys: &'a KeyCopy,
     /// Store block size in tokens.
     pub(crate) block: usize,
     /// Entries always attended (the first ones).
@@ -119,6 +298,7 @@ pub(crate) fn select<T: KvElem>(
     let (culled_mass, estimated_entries) = match h.exact {
         Some((keys, kvh)) => {
             exact_scores(h, keys, kvh, n, d, s);
+            s.margin = 0.0;
             (0.0, n)
         }
         None => estimate(cpu, h, n, d, budget, win, s)?,
@@ -202,7 +382,7 @@ fn estimate<T: KvElem>(
         culled_mass += m;
         s.culled[b] = true;
     }
-    // Stage 2: int8 estimates of the entries of the other blocks, in runs
+    // Stage 2: low-bit estimates of the entries of the other blocks, in runs
     // of consecutive kept blocks (a run starts at a tile boundary: a few
     // entries of a dropped block may be estimated too, which only adds).
     s.q.clear();
@@ -222,11 +402,27 @@ fn estimate<T: KvElem>(
         }
         let start = (b * bt) / INT8_TILE * INT8_TILE;
         let end = (e * bt).min(n);
-        let (codes, scales) = h.keys.rows(start..end);
-        cpu.int8_max_scores(&s.q, h.lse_ref, d, codes, scales, &mut s.est[start..end])?;
+        h.keys.scores(
+            cpu,
+            &s.q,
+            h.lse_ref,
+            &mut s.qw,
+            &mut s.ow,
+            start..end,
+            &mut s.est[start..end],
+        )?;
         estimated_entries += end - start;
         b = e;
     }
+    // A row's codes are within half its scale of the whitened key, an
+    // error uniform over that interval: the estimate's is then of standard
+    // deviation `scale |q'|_2 / sqrt(12)` (q' the whitened query), the
+    // largest over the group.
+    let qn =
+        s.qw.chunks_exact(d)
+            .map(|q| q.iter().map(|x| x * x).sum::<f32>().sqrt())
+            .fold(0.0f32, f32::max);
+    s.margin = MARGIN_SIGMAS * qn / 12f32.sqrt();
     Ok((culled_mass, estimated_entries))
 }
 
@@ -313,6 +509,13 @@ fn admit<T: KvElem>(
         // Nothing finite to admit; entries estimated +inf still pass.
         threshold = f32::MAX;
     }
+    if s.margin > 0.0 && threshold > f32::NEG_INFINITY && threshold < f32::MAX {
+        // Each estimate raised by its margin before the comparison (only
+        // the admission: the mass accounting above used the estimates).
+        for (e, &sc) in s.est[sinks..].iter_mut().zip(&h.keys.scales()[sinks..]) {
+            *e += s.margin * sc;
+        }
+    }
     idx.extend(0..sinks as u32);
     cpu.indices_above(&s.est[sinks..], threshold, sinks as u32, idx);
     let limit = (f64::from(target.max_share) * n as f64).ceil() as usize;
@@ -378,7 +581,7 @@ mod tests {
         let win_lse = m + (0.1 * cpu_sum).ln();
         let union = m + (1.1 * cpu_sum).ln();
         let (lse_ref, win) = ([union as f32], [win_lse as f32]);
-        let empty = Int8Keys::new(d);
+        let empty = KeyCopy::new(KeyCodes::Int4, d);
         for target in [0.5f32, 0.9, 0.99] {
             let head = Head {
                 q: &q,

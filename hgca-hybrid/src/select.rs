@@ -108,7 +108,7 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
         heads.resize_with(hk, HeadScratch::default);
         let (cpu, bounds, maw, beta, last_lse) =
             (&l.cpu, &self.bounds, &self.maw, &l.beta, &self.last_lse);
-        let (int8, last_win_lse) = (&self.int8, &self.last_win_lse);
+        let (codes, last_win_lse) = (&self.codes, &self.last_win_lse);
         let store: &dyn hgca_kernels::KvSource<T> = &self.store;
         let oracle = l.oracle;
         // The KV heads select independently: on the CPU backend's threads
@@ -128,7 +128,7 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
                     lse_ref: &last_lse[rows.clone()],
                     win_lse: &last_win_lse[rows],
                     bounds: &bounds[g],
-                    keys: &int8[g],
+                    keys: &codes[g],
                     block: bt,
                     sinks,
                     exact: oracle.then_some((store, g)),

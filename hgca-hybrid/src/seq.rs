@@ -6,7 +6,6 @@
 
 use std::time::{Duration, Instant};
 
-use hgca_cpu::Int8Keys;
 use hgca_kernels::{
     CpuStore, DenseAttention, Error, KvElem, KvWindow, Partial, PartialLayout, Result, Selection,
     SparseAttention, WindowSpec, check_len, check_len_of, merge_into,
@@ -39,8 +38,8 @@ pub(crate) struct Seq<D: DenseAttention, T: KvElem, C> {
     pub(crate) last_lse: Vec<f32>,
     /// The window's lse of the last decode step per query head (the mass selector's reference).
     pub(crate) last_win_lse: Vec<f32>,
-    /// [`Recovery::Mass`]: an int8 copy of each KV head's CPU keys.
-    pub(crate) int8: Vec<Int8Keys>,
+    /// [`Recovery::Mass`]: the low-bit copy of each KV head's CPU keys.
+    pub(crate) codes: Vec<crate::mass::KeyCopy>,
     pub(crate) stats: StepStats,
     /// Per-KV-head scratch of the selection.
     pub(crate) heads: Vec<HeadScratch>,
@@ -81,7 +80,7 @@ where
             steps: self.steps,
             last_lse: self.last_lse.clone(),
             last_win_lse: self.last_win_lse.clone(),
-            int8: self.int8.clone(),
+            codes: self.codes.clone(),
             stats: self.stats.clone(),
             heads: self.heads.clone(),
             gpu_w: self.gpu_w.clone(),
@@ -137,8 +136,8 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
             steps: 0,
             last_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
             last_win_lse: vec![f32::NEG_INFINITY; shape.q_heads()],
-            int8: if matches!(cfg.recovery, Recovery::Mass(_)) {
-                vec![Int8Keys::new(shape.head_dim()); hk]
+            codes: if matches!(cfg.recovery, Recovery::Mass(_)) {
+                vec![crate::mass::KeyCopy::new(cfg.key_codes, shape.head_dim()); hk]
             } else {
                 Vec::new()
             },
@@ -251,16 +250,9 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
                 }
             }
         }
-        // The mass selector's int8 copy (empty under the other rules).
-        let mut row = vec![0.0f32; d];
-        for (g, keys) in self.int8.iter_mut().enumerate() {
-            for i in 0..n {
-                let k = &self.evict_k[(g * n + i) * d..(g * n + i + 1) * d];
-                for (r, x) in row.iter_mut().zip(k) {
-                    *r = x.to_f32();
-                }
-                keys.push(&row);
-            }
+        // The mass selector's low-bit copy (empty under the other rules).
+        for (g, keys) in self.codes.iter_mut().enumerate() {
+            keys.push(&self.evict_k[g * n * d..(g + 1) * n * d], l.cfg.sinks);
         }
         self.win_head = (self.win_head + n) % cap;
         Ok(())

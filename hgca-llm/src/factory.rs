@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::{HybridAttention, HybridConfig, Recovery, SequenceAttention};
+use hgca_hybrid::{HybridAttention, HybridConfig, KeyCodes, Recovery, SequenceAttention};
 use hgca_kernels::{AttnShape, KvElem, bf16, f16};
 use hgca_llm::{BoxedAttention, Error, Result};
 
@@ -25,7 +25,7 @@ pub(crate) struct SelCount {
     pub(crate) selected: u64,
     pub(crate) candidates: u64,
     /// CPU-side bytes the decode steps read (selected K/V rows, the
-    /// selector's block bounds and int8 rows) and what full attention over
+    /// selector's block bounds and low-bit key rows) and what full attention over
     /// the same CPU entries reads.
     pub(crate) bytes_read: u64,
     pub(crate) bytes_full: u64,
@@ -92,9 +92,13 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
                 Recovery::BlockBounds { .. } | Recovery::Mass(_) => blocks * row,
                 _ => 0,
             };
-            // What the estimate read per entry: its int8 row (d bytes and
+            // What the estimate read per entry: its low-bit row (codes and
             // a scale), or for the oracle the key itself.
-            let est_row = if oracle { row / 2 } else { d + 4 };
+            let est_row = if oracle {
+                row / 2
+            } else {
+                cfg.key_codes.row_bytes(d as usize) as u64
+            };
             let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
             c.selected += st.selected as u64;
             c.candidates += (st.cpu_tokens * kvh) as u64;
@@ -123,19 +127,29 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
     }
 }
 
-/// A recovery rule as the command lines take it, and whether it is the
-/// mass rule's oracle: `oracle:P[:S]` is `mass:P[:S]` with exact scores
-/// ([`HybridAttention::with_oracle_scores`]).
-pub(crate) fn parse_recovery(s: &str) -> Result<(Recovery, bool)> {
-    let (rule, oracle) = match s.strip_prefix("oracle:") {
-        Some(rest) => (format!("mass:{rest}"), true),
-        None => (s.to_owned(), false),
+/// A recovery rule as the command lines take it: the rule, the mass
+/// selector's key copy, and whether it is the mass rule's oracle.
+/// `oracle:P[:S]` is `mass:P[:S]` with exact scores
+/// ([`HybridAttention::with_oracle_scores`]); `mass8:P[:S]` and
+/// `mass4:P[:S]` are the mass rule with an int8 or int4 key copy (`mass:`
+/// takes the library's default, [`KeyCodes::default`]).
+pub(crate) fn parse_recovery(s: &str) -> Result<(Recovery, KeyCodes, bool)> {
+    let (rule, codes, oracle) = if let Some(rest) = s.strip_prefix("oracle:") {
+        (format!("mass:{rest}"), KeyCodes::default(), true)
+    } else if let Some(rest) = s.strip_prefix("mass8:") {
+        (format!("mass:{rest}"), KeyCodes::Int8, false)
+    } else if let Some(rest) = s.strip_prefix("mass4:") {
+        (format!("mass:{rest}"), KeyCodes::Int4, false)
+    } else {
+        (s.to_owned(), KeyCodes::default(), false)
     };
     let r = rule.parse().map_err(|_| Error::Invalid {
         what: "--recovery",
-        msg: format!("`{s}`: expected frozen, rescore:N, bounds:N, mass:P[:S] or oracle:P[:S]"),
+        msg: format!(
+            "`{s}`: expected frozen, rescore:N, bounds:N, mass:P[:S], mass8:P[:S], mass4:P[:S] or oracle:P[:S]"
+        ),
     })?;
-    Ok((r, oracle))
+    Ok((r, codes, oracle))
 }
 
 /// The window of a hybrid layer: `ratio` of `context` tokens, in whole
@@ -153,11 +167,12 @@ pub(crate) fn hybrid_config(
     rule: &str,
 ) -> Result<(HybridConfig, bool)> {
     let d = HybridConfig::default();
-    let (recovery, oracle) = parse_recovery(rule)?;
+    let (recovery, key_codes, oracle) = parse_recovery(rule)?;
     Ok((
         HybridConfig {
             window: window_for(context, ratio, d.block),
             recovery,
+            key_codes,
             ..d
         },
         oracle,

@@ -32,7 +32,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         score_from: a.score_from,
         decode: a.decode,
     };
-    let (recovery, oracle) = parse_recovery(&a.recovery)?;
+    let (recovery, key_codes, oracle) = parse_recovery(&a.recovery)?;
     struct Row {
         kind: &'static str,
         window: String,
@@ -85,6 +85,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                         refresh_queries: a.refresh_queries,
                         beta,
                         recovery,
+                        key_codes,
                         ..HybridConfig::default()
                     };
                     let f = hybrid_factory(cli.kv, (cfg, oracle), Arc::clone(&count));

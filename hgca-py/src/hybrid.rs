@@ -100,6 +100,8 @@ impl HybridLayer {
             alpha,
             recovery,
             refresh_queries,
+            // The mass selector's key copy: the library's default.
+            ..HybridConfig::default()
         };
         let cpu = backend(threads)?;
         let inner = match dtype {
