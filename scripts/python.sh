@@ -5,6 +5,8 @@
 # (hgca-py/tests) and the engine-like example (examples/python).
 #   scripts/python.sh          build, install, test
 #   scripts/python.sh --wheel  build the wheel only (target/wheels/)
+#   scripts/python.sh --deps   the venv and its packages only (gguf and numpy
+#                              are also what scripts/gemma3_ref.py needs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=.venv/py
@@ -13,7 +15,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "maturin>=1.9,<2" "numpy>=1.21" "pytest>=7"
+  "maturin>=1.9,<2" "numpy>=1.21" "pytest>=7" "gguf>=0.10"
+[ "${1:-}" = "--deps" ] && exit 0
 rm -rf target/wheels
 "$venv/bin/maturin" build --release --quiet -m hgca-py/Cargo.toml -o target/wheels -i "$venv/bin/python"
 wheel=$(ls target/wheels/hgca-*.whl)

@@ -16,7 +16,7 @@ if [ "${CI:-}" = "true" ]; then
   # software Vulkan, NVRTC and ptxas from PyPI, NEON under qemu, the CPU
   # facts, and every x86 ISA the kernel reports (read from /proc/cpuinfo,
   # independently of the library's own detection).
-  req="wgpu,nvrtc,neon,proc-cpuinfo"
+  req="wgpu,nvrtc,neon,proc-cpuinfo,gguf-ref"
   grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo && grep -qw f16c /proc/cpuinfo && req="$req,v3"
   grep -qw avx512f /proc/cpuinfo && grep -qw avx512bw /proc/cpuinfo && grep -qw avx512vl /proc/cpuinfo && req="$req,v4"
   export HGCA_REQUIRE=$req
@@ -39,6 +39,9 @@ if [ -f scripts/setup-cuda.sh ]; then
     required nvrtc && exit 1
   fi
 fi
+
+step "Python packages (the venv of the wheel's tests; numpy and gguf for the Gemma 3 reference)"
+bash scripts/python.sh --deps
 
 step "format"
 cargo fmt --all --check

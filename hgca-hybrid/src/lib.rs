@@ -17,12 +17,14 @@ mod mass;
 pub mod planner;
 mod select;
 mod seq;
+mod sliding;
 mod stats;
 
 pub use batch::{HybridBatch, SeqId};
 pub use config::{HybridConfig, KeyCodes, Recovery};
 pub use full::FullAttention;
 pub use layer::HybridAttention;
+pub use sliding::SlidingAttention;
 pub use stats::StepStats;
 
 use hgca_kernels::{AttnShape, Result, check_len_of};

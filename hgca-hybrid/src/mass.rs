@@ -155,14 +155,13 @@ impl KeyCopy {
 
     /// Estimated `max_h (q_h·k_j - offset_h)` for rows `start..end`
     /// (`start` on a tile boundary) into `out`; `q` holds the group's
-    /// scaled queries and `qw` is scratch.
+    /// scaled queries, `qw` and `ow` are scratch.
     fn scores(
         &self,
         cpu: &CpuBackend,
         q: &[f32],
         offset: &[f32],
-        qw: &mut Vec<f32>,
-        ow: &mut Vec<f32>,
+        (qw, ow): (&mut Vec<f32>, &mut Vec<f32>),
         rows: std::ops::Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
@@ -406,8 +405,7 @@ fn estimate<T: KvElem>(
             cpu,
             &s.q,
             h.lse_ref,
-            &mut s.qw,
-            &mut s.ow,
+            (&mut s.qw, &mut s.ow),
             start..end,
             &mut s.est[start..end],
         )?;

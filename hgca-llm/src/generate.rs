@@ -42,10 +42,19 @@ pub(crate) fn cmd_generate(
     seed: u64,
 ) -> Result<()> {
     let (tok, w) = load(cli)?;
-    let text = if chat {
-        format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
-    } else {
-        prompt.to_owned()
+    let format =
+        if chat {
+            Some(tok.chat_format().ok_or(Error::Invalid {
+            what: "--chat",
+            msg: "this model's vocabulary has no chat format hgca-llm knows (ChatML, Gemma's)"
+                .into(),
+        })?)
+        } else {
+            None
+        };
+    let text = match format {
+        Some(f) => f.prompt(prompt),
+        None => prompt.to_owned(),
     };
     let ids = tok.encode(&text, true)?;
     if ids.is_empty() {
@@ -65,9 +74,7 @@ pub(crate) fn cmd_generate(
     let t1 = Instant::now();
     for _ in 0..max_tokens {
         let next = sample(&logits, temperature, &mut state);
-        if Some(next) == tok.eos()
-            || (chat && tok.id_to_token(next).as_deref() == Some("<|im_end|>"))
-        {
+        if Some(next) == tok.eos() || format.is_some_and(|f| f.end == next) {
             break;
         }
         out.push(next);

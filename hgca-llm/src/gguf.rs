@@ -434,6 +434,13 @@ pub enum Arch {
     /// Qwen2 (Qwen2.5): Q/K/V biases, RoPE on the two halves of a head
     /// (GPT-NeoX style, rows as in the checkpoint).
     Qwen2,
+    /// Gemma 3: head size from `attention.key_length` (the query width is
+    /// not the model's), RMS norms of each query and key head before RoPE
+    /// (halves, as Qwen2), norms after attention and after the FFN too,
+    /// GELU (tanh) gating, embeddings scaled by `sqrt(dim)`; five of every
+    /// six layers attend a sliding window (`attention.sliding_window`) with
+    /// RoPE base 10000, the sixth all tokens with `rope.freq_base`.
+    Gemma3,
 }
 
 impl Arch {
@@ -442,6 +449,7 @@ impl Arch {
         match self {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
+            Self::Gemma3 => "gemma3",
         }
     }
 }
@@ -461,7 +469,7 @@ pub struct LlamaConfig {
     pub n_heads: usize,
     /// KV heads (`{arch}.attention.head_count_kv`).
     pub n_kv_heads: usize,
-    /// Per-head dimension, `dim / n_heads`.
+    /// Per-head dimension: `{arch}.attention.key_length`, else `dim / n_heads`.
     pub head_dim: usize,
     /// FFN hidden width (`{arch}.feed_forward_length`).
     pub ffn_dim: usize,
@@ -471,6 +479,11 @@ pub struct LlamaConfig {
     pub rope_theta: f32,
     /// Trained context length (`{arch}.context_length`).
     pub context_length: usize,
+    /// Gemma 3: the local layers' window in tokens
+    /// (`{arch}.attention.sliding_window`); `None`: every layer is global.
+    pub sliding_window: Option<usize>,
+    /// The local layers' RoPE base (Gemma 3: 10000; else `rope_theta`).
+    pub rope_theta_local: f32,
 }
 
 impl LlamaConfig {
@@ -484,10 +497,11 @@ impl LlamaConfig {
         let arch = match f.get_str("general.architecture")? {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
+            "gemma3" => Arch::Gemma3,
             other => {
                 return Err(Error::meta(
                     "general.architecture",
-                    format!("expected `llama` or `qwen2`, found `{other}`"),
+                    format!("expected `llama`, `qwen2` or `gemma3`, found `{other}`"),
                 ));
             }
         };
@@ -523,8 +537,8 @@ impl LlamaConfig {
         if vocab_size == 0 {
             return Err(Error::meta("vocabulary size", "must be at least 1"));
         }
-        // Each block holds 9 tensors: a count the file cannot back is refused
-        // before anything is sized by it.
+        // Each block holds 9 tensors or more: a count the file cannot back
+        // is refused before anything is sized by it.
         let tensors = f.content().tensor_infos.len();
         if n_layers > tensors / 9 {
             return Err(Error::meta(
@@ -532,13 +546,38 @@ impl LlamaConfig {
                 format!("{n_layers} blocks, but the file holds {tensors} tensors"),
             ));
         }
-        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+        let key_length = match f.get_usize(&key("attention.key_length")) {
+            Ok(x) => Some(x),
+            Err(Error::Metadata { msg, .. }) if msg == "missing" => None,
+            Err(e) => return Err(e),
+        };
+        if (key_length.is_none() && !dim.is_multiple_of(n_heads))
+            || !n_heads.is_multiple_of(n_kv_heads)
+        {
             return Err(Error::meta(
                 &key("attention.head_count"),
                 format!("{n_heads} heads / {n_kv_heads} KV heads do not divide width {dim}"),
             ));
         }
-        let head_dim = dim / n_heads;
+        let head_dim = key_length.unwrap_or(dim / n_heads);
+        if head_dim == 0 || head_dim > 1 << 14 {
+            return Err(Error::meta(
+                &key("attention.key_length"),
+                format!("head dimension {head_dim} is out of range"),
+            ));
+        }
+        if let Ok(vl) = f.get_usize(&key("attention.value_length"))
+            && vl != head_dim
+        {
+            return Err(Error::meta(
+                &key("attention.value_length"),
+                format!("{vl}: value heads unlike key heads ({head_dim}) are not supported"),
+            ));
+        }
+        let sliding_window = match (arch, f.get_usize(&key("attention.sliding_window"))) {
+            (Arch::Gemma3, Ok(w)) if w > 0 => Some(w),
+            _ => None,
+        };
         if !head_dim.is_multiple_of(2) {
             return Err(Error::meta(
                 &key("embedding_length"),
@@ -577,11 +616,36 @@ impl LlamaConfig {
             rms_eps,
             rope_theta,
             context_length,
+            sliding_window,
+            rope_theta_local: if arch == Arch::Gemma3 {
+                10_000.0
+            } else {
+                rope_theta
+            },
         })
     }
 
     /// Width of the K (or V) projection, `n_kv_heads * head_dim`.
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// Width of the Q projection (and the attention output),
+    /// `n_heads * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// The sliding window of layer `layer` when it is a local layer (Gemma
+    /// 3: all but every sixth, `layer % 6 < 5`), `None` for a global one.
+    pub fn local_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| layer % 6 < 5)
+    }
+
+    /// The global layers (every token attended): where a hybrid split applies.
+    pub fn global_layers(&self) -> usize {
+        (0..self.n_layers)
+            .filter(|&l| self.local_window(l).is_none())
+            .count()
     }
 }

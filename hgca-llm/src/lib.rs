@@ -30,6 +30,7 @@ mod model;
 mod ppl;
 mod profile;
 mod sparse_ffn;
+mod spm;
 pub mod synth;
 mod threads;
 mod tokenizer;
@@ -42,7 +43,7 @@ pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
 pub use profile::Profile;
 pub use sparse_ffn::{FfnCount, SparseFfn};
 pub use threads::{CandleThreads, cpu_backend};
-pub use tokenizer::GgufTokenizer;
+pub use tokenizer::{ChatFormat, GgufTokenizer};
 pub use weights::{AUTO_DENSE_ROWS, LlamaWeights, WeightFormat};
 
 /// Where `scripts/fetch-model.sh` puts the model, relative to the repository root.

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use hgca_hybrid::{FullAttention, SequenceAttention};
+use hgca_hybrid::{FullAttention, SequenceAttention, SlidingAttention};
 use hgca_kernels::{AttnShape, KvElem};
 
 use crate::gguf::Arch;
@@ -79,6 +79,26 @@ impl std::fmt::Debug for Llama {
     }
 }
 
+/// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`).
+fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
+    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// [`rms_norm`] of one row in place.
+fn rms_norm_in_place(r: &mut [f32], w: &[f32], eps: f32) {
+    let ss: f32 = r.iter().map(|v| v * v).sum::<f32>() / r.len() as f32;
+    let s = 1.0 / (ss + eps).sqrt();
+    for (v, &g) in r.iter_mut().zip(w) {
+        *v *= s * g;
+    }
+}
+
+/// The attention of a local layer: exact over its sliding window.
+fn local_attention(shape: AttnShape, window: usize) -> Result<BoxedAttention> {
+    Ok(Box::new(SlidingAttention::<f32>::new(shape, window, cpu_backend())?) as BoxedAttention)
+}
+
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
@@ -92,7 +112,7 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 
 /// Rotates the pairs of every head of every row by the angles of its
 /// position: adjacent pairs `(2i, 2i+1)` for Llama (GGUF permutes Q/K rows
-/// for it), the halves `(i, i + d/2)` for Qwen2 (GPT-NeoX style).
+/// for it), the halves `(i, i + d/2)` for Qwen2 and Gemma 3 (GPT-NeoX style).
 fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32], arch: Arch) {
     let half = head_dim / 2;
     for (t, r) in x.chunks_exact_mut(row).enumerate() {
@@ -104,7 +124,7 @@ fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32], ar
             for i in 0..half {
                 let (ia, ib) = match arch {
                     Arch::Llama => (2 * i, 2 * i + 1),
-                    Arch::Qwen2 => (i, i + half),
+                    Arch::Qwen2 | Arch::Gemma3 => (i, i + half),
                 };
                 let (a, b) = (h[ia], h[ib]);
                 h[ia] = a * c[i] - b * s[i];
@@ -116,7 +136,10 @@ fn rope(x: &mut [f32], row: usize, head_dim: usize, cos: &[f32], sin: &[f32], ar
 
 impl Llama {
     /// A new empty sequence; `attention(layer, shape)` makes the attention
-    /// of each layer.
+    /// of each global layer. The local layers of a model with sliding
+    /// windows (Gemma 3) get exact attention over their window
+    /// ([`SlidingAttention`], KV in f32: 1 MiB a layer for Gemma 3 270M),
+    /// the same whatever the variant.
     ///
     /// # Errors
     /// What `attention` returns.
@@ -126,7 +149,10 @@ impl Llama {
     {
         let shape = weights.attn_shape()?;
         let attn = (0..weights.config.n_layers)
-            .map(|l| attention(l, shape))
+            .map(|l| match weights.config.local_window(l) {
+                Some(w) => local_attention(shape, w),
+                None => attention(l, shape),
+            })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             weights,
@@ -165,8 +191,14 @@ impl Llama {
             ));
         }
         let shape = self.weights.attn_shape()?;
-        let layers = (0..self.weights.config.n_layers)
-            .map(|l| attention(l, shape))
+        let c = &self.weights.config;
+        let layers = (0..c.n_layers)
+            .map(|l| match c.local_window(l) {
+                // Exact and the same for every variant: the lead's, copied
+                // at the split.
+                Some(w) => local_attention(shape, w),
+                None => attention(l, shape),
+            })
             .collect::<Result<Vec<_>>>()?;
         self.followers.push(layers);
         Ok(())
@@ -178,7 +210,12 @@ impl Llama {
     pub fn split(mut self) -> Vec<Llama> {
         let followers = std::mem::take(&mut self.followers);
         let mut out = Vec::with_capacity(1 + followers.len());
-        for attn in followers {
+        for mut attn in followers {
+            for (l, a) in attn.iter_mut().enumerate() {
+                if self.weights.config.local_window(l).is_some() {
+                    *a = self.attn[l].fork();
+                }
+            }
             out.push(Llama {
                 weights: Arc::clone(&self.weights),
                 attn,
@@ -303,27 +340,39 @@ impl Llama {
     fn forward_inner(&mut self, tokens: &[u32], logits: Logits) -> Result<Vec<f32>> {
         let w = &*self.weights;
         let c = &w.config;
-        let (n, d, hd, kvd) = (tokens.len(), c.dim, c.head_dim, c.kv_dim());
-        let half = hd / 2;
+        let (n, d, hd, kvd, qd) = (tokens.len(), c.dim, c.head_dim, c.kv_dim(), c.q_dim());
+        let gemma = c.arch == Arch::Gemma3;
         let mut x = Vec::with_capacity(n * d);
         for &t in tokens {
             let t = t as usize;
             x.extend_from_slice(&w.embed[t * d..(t + 1) * d]);
         }
-        let mut cos = Vec::with_capacity(n * half);
-        let mut sin = Vec::with_capacity(n * half);
-        for p in self.pos..self.pos + n {
-            for &f in &w.inv_freq {
-                let (s, co) = (p as f64 * f).sin_cos();
-                cos.push(co as f32);
-                sin.push(s as f32);
-            }
+        if gemma {
+            let s = (d as f32).sqrt();
+            x.iter_mut().for_each(|a| *a *= s);
         }
+        let angles = |freqs: &[f64]| {
+            let (mut cos, mut sin) = (Vec::with_capacity(n * freqs.len()), Vec::new());
+            for p in self.pos..self.pos + n {
+                for &f in freqs {
+                    let (s, co) = (p as f64 * f).sin_cos();
+                    cos.push(co as f32);
+                    sin.push(s as f32);
+                }
+            }
+            (cos, sin)
+        };
+        let global = angles(&w.inv_freq);
+        let local = if c.sliding_window.is_some() {
+            angles(&w.inv_freq_local)
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let mut h = vec![0.0f32; n * d];
-        let mut q = vec![0.0f32; n * d];
+        let mut q = vec![0.0f32; n * qd];
         let mut k = vec![0.0f32; n * kvd];
         let mut v = vec![0.0f32; n * kvd];
-        let mut att = vec![0.0f32; n * d];
+        let mut att = vec![0.0f32; n * qd];
         let mut act = vec![0.0f32; n * c.ffn_dim];
         let mut sink = Vec::new();
         let mut laps = Laps::new(self.profile.take());
@@ -331,7 +380,7 @@ impl Llama {
             rms_norm(&x, &layer.attn_norm, c.rms_eps, &mut h);
             laps.skip();
             let mut qkv = layer.qkv.forward(&h, n)?;
-            let row = d + 2 * kvd;
+            let row = qd + 2 * kvd;
             if let Some(bias) = &layer.qkv_bias {
                 for r in qkv.chunks_exact_mut(row) {
                     for (x, b) in r.iter_mut().zip(bias) {
@@ -341,21 +390,42 @@ impl Llama {
             }
             for t in 0..n {
                 let r = &qkv[t * row..(t + 1) * row];
-                q[t * d..(t + 1) * d].copy_from_slice(&r[..d]);
-                k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d..d + kvd]);
-                v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[d + kvd..]);
+                q[t * qd..(t + 1) * qd].copy_from_slice(&r[..qd]);
+                k[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd..qd + kvd]);
+                v[t * kvd..(t + 1) * kvd].copy_from_slice(&r[qd + kvd..]);
             }
-            rope(&mut q, d, hd, &cos, &sin, c.arch);
-            rope(&mut k, kvd, hd, &cos, &sin, c.arch);
+            if let Some((qn, kn)) = &layer.qk_norm {
+                // Per head, in place (a row of one head is its own input).
+                for r in q.chunks_exact_mut(hd) {
+                    rms_norm_in_place(r, qn, c.rms_eps);
+                }
+                for r in k.chunks_exact_mut(hd) {
+                    rms_norm_in_place(r, kn, c.rms_eps);
+                }
+            }
+            let (cos, sin) = if c.local_window(li).is_some() {
+                (&local.0, &local.1)
+            } else {
+                (&global.0, &global.1)
+            };
+            rope(&mut q, qd, hd, cos, sin, c.arch);
+            rope(&mut k, kvd, hd, cos, sin, c.arch);
             laps.add(|p| &mut p.qkv);
             attn.forward(&q, &k, &v, n, &mut att)?;
             laps.add(|p| &mut p.attn);
-            for f in &mut self.followers {
-                sink.resize(att.len(), 0.0);
-                f[li].forward(&q, &k, &v, n, &mut sink)?;
-                laps.skip();
+            if c.local_window(li).is_none() {
+                for f in &mut self.followers {
+                    sink.resize(att.len(), 0.0);
+                    f[li].forward(&q, &k, &v, n, &mut sink)?;
+                    laps.skip();
+                }
             }
-            let o = layer.wo.forward(&att, n)?;
+            let mut o = layer.wo.forward(&att, n)?;
+            if let Some((pa, _)) = &layer.post_norms {
+                for r in o.chunks_exact_mut(d) {
+                    rms_norm_in_place(r, pa, c.rms_eps);
+                }
+            }
             for (a, b) in x.iter_mut().zip(&o) {
                 *a += b;
             }
@@ -363,6 +433,7 @@ impl Llama {
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
             laps.skip();
             if let Some(ffn) = &self.ffn {
+                // SparseFfn refuses models other than SiLU-gated ones.
                 let dn = ffn.forward(li, &h, n)?;
                 for (a, b) in x.iter_mut().zip(&dn) {
                     *a += b;
@@ -378,11 +449,23 @@ impl Llama {
                     // Every 7th neuron: enough for a layer's quantiles.
                     rec[li].extend(g.iter().step_by(7).map(|&g| (g / (1.0 + (-g).exp())).abs()));
                 }
-                for ((a, &g), &u) in act[t * ff..(t + 1) * ff].iter_mut().zip(g).zip(u) {
-                    *a = g / (1.0 + (-g).exp()) * u;
+                let a = &mut act[t * ff..(t + 1) * ff];
+                if gemma {
+                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                        *a = gelu_tanh(g) * u;
+                    }
+                } else {
+                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                        *a = g / (1.0 + (-g).exp()) * u;
+                    }
                 }
             }
-            let dn = layer.down.forward(&act, n)?;
+            let mut dn = layer.down.forward(&act, n)?;
+            if let Some((_, pf)) = &layer.post_norms {
+                for r in dn.chunks_exact_mut(d) {
+                    rms_norm_in_place(r, pf, c.rms_eps);
+                }
+            }
             for (a, b) in x.iter_mut().zip(&dn) {
                 *a += b;
             }

@@ -75,12 +75,19 @@ fn first_number(s: &str) -> Option<&str> {
 pub(crate) fn cmd_needle(cli: &Cli, a: &NeedleArgs) -> Result<()> {
     let (tok, w) = load(cli)?;
     let hay = crate::load::haystack(&tok, &a.text)?;
-    let head = tok.encode("<|im_start|>user\n", true)?;
+    let chat = tok.chat_format().ok_or(Error::Invalid {
+        what: "--model",
+        msg: "the needle test asks in a chat format (ChatML or Gemma's), which this model's vocabulary lacks".into(),
+    })?;
+    let head = tok.encode(chat.user, true)?;
     let question = tok.encode(
-        "\n\nWhat is the secret code in the text above? Reply with the number only.<|im_end|>\n<|im_start|>assistant\n",
+        &format!(
+            "\n\nWhat is the secret code in the text above? Reply with the number only.{}{}",
+            chat.end_turn, chat.assistant
+        ),
         false,
     )?;
-    let im_end = tok.token_to_id("<|im_end|>");
+    let im_end = Some(chat.end);
     let mut docs = Vec::new();
     for (i, &depth) in a.depths.iter().enumerate() {
         if !(0.0..=1.0).contains(&depth) {

@@ -42,9 +42,17 @@ impl SparseFfn {
     /// Neuron-major f16 copies of `w`'s FFN weights, thresholds 0.
     ///
     /// # Errors
-    /// Candle errors dequantising the weights.
+    /// [`crate::Error::Invalid`] for a model whose FFN is not SiLU-gated
+    /// (Gemma 3: GELU, and norms after the FFN); candle errors dequantising
+    /// the weights.
     pub fn new(w: &LlamaWeights, cpu: hgca_cpu::CpuBackend) -> Result<Self> {
         let c = &w.config;
+        if c.arch == crate::Arch::Gemma3 {
+            return Err(crate::Error::invalid(
+                "sparse FFN",
+                "Gemma 3's GELU-gated FFN is not supported (SiLU-gated models only)",
+            ));
+        }
         let (d, ff) = (c.dim, c.ffn_dim);
         let to16 = |v: &[f32]| {
             v.iter()

@@ -32,7 +32,10 @@ pub struct SynthSpec {
     /// GGUF) instead of f32.
     pub quantized: bool,
     /// The architecture: Qwen2 adds Q/K/V biases, its metadata prefix and
-    /// its pre-tokenizer.
+    /// its pre-tokenizer; Gemma 3 its norms, heads twice `dim / n_heads`
+    /// wide (`attention.key_length`, so the query width is not the model's)
+    /// and a sliding window of [`SYNTH_WINDOW`] tokens on its local layers
+    /// (the tokenizer stays the byte-level BPE one).
     pub arch: Arch,
 }
 
@@ -70,6 +73,9 @@ pub fn byte_level_alphabet() -> [char; 256] {
     }
     table
 }
+
+/// The sliding window of a synthetic Gemma 3's local layers, in tokens.
+pub const SYNTH_WINDOW: usize = 8;
 
 /// Special tokens of the synthetic vocabulary (ids 0, 1, 2).
 pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -126,8 +132,9 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
             "quantized widths must be multiples of 32",
         ));
     }
-    let head_dim = s.dim / s.n_heads;
-    let kv = s.n_kv_heads * head_dim;
+    let gemma = s.arch == Arch::Gemma3;
+    let head_dim = s.dim / s.n_heads * if gemma { 2 } else { 1 };
+    let (kv, qd) = (s.n_kv_heads * head_dim, s.n_heads * head_dim);
     let (tokens, types) = vocabulary();
     let vocab = tokens.len();
     let mut rng = Lcg(s.seed ^ 0x9e37_79b9_7f4a_7c15);
@@ -157,10 +164,16 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         let p = |x: &str| format!("blk.{l}.{x}.weight");
         named.push((p("attn_norm"), norm(s.dim, 2 + l as u64)?));
         named.push((p("ffn_norm"), norm(s.dim, 5 + l as u64)?));
-        named.push((p("attn_q"), mat(s.dim, s.dim, 2.0 * w, GgmlDType::Q4_1)?));
+        named.push((p("attn_q"), mat(qd, s.dim, 2.0 * w, GgmlDType::Q4_1)?));
         named.push((p("attn_k"), mat(kv, s.dim, 2.0 * w, GgmlDType::Q4_1)?));
         named.push((p("attn_v"), mat(kv, s.dim, w, GgmlDType::Q4_1)?));
-        named.push((p("attn_output"), mat(s.dim, s.dim, w, GgmlDType::Q4_1)?));
+        named.push((p("attn_output"), mat(s.dim, qd, w, GgmlDType::Q4_1)?));
+        if gemma {
+            named.push((p("attn_q_norm"), norm(head_dim, 11 + l as u64)?));
+            named.push((p("attn_k_norm"), norm(head_dim, 13 + l as u64)?));
+            named.push((p("post_attention_norm"), norm(s.dim, 17 + l as u64)?));
+            named.push((p("post_ffw_norm"), norm(s.dim, 19 + l as u64)?));
+        }
         named.push((p("ffn_gate"), mat(s.ffn_dim, s.dim, w, GgmlDType::Q4_1)?));
         named.push((p("ffn_up"), mat(s.ffn_dim, s.dim, w, GgmlDType::Q4_1)?));
         named.push((
@@ -185,7 +198,7 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
     let merges: Vec<String> = MERGES.iter().map(|m| m.to_string()).collect();
     let a = s.arch.name();
     let key = |k: &str| format!("{a}.{k}");
-    let arch_meta: Vec<(String, Value)> = vec![
+    let mut arch_meta: Vec<(String, Value)> = vec![
         (key("block_count"), Value::U32(s.n_layers as u32)),
         (key("context_length"), Value::U32(8192)),
         (key("embedding_length"), Value::U32(s.dim as u32)),
@@ -200,8 +213,18 @@ pub fn write_tiny_llama(path: impl AsRef<Path>, spec: &SynthSpec) -> Result<()> 
         (key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
         (key("vocab_size"), Value::U32(vocab as u32)),
     ];
+    if gemma {
+        arch_meta.extend([
+            (key("attention.key_length"), Value::U32(head_dim as u32)),
+            (key("attention.value_length"), Value::U32(head_dim as u32)),
+            (
+                key("attention.sliding_window"),
+                Value::U32(SYNTH_WINDOW as u32),
+            ),
+        ]);
+    }
     let pre = match s.arch {
-        Arch::Llama => "smollm",
+        Arch::Llama | Arch::Gemma3 => "smollm",
         Arch::Qwen2 => "qwen2",
     };
     let mut meta: Vec<(&str, Value)> = vec![

@@ -134,6 +134,11 @@ pub(crate) struct Layer {
     pub(crate) ffn_norm: Vec<f32>,
     pub(crate) gate_up: Linear,
     pub(crate) down: Linear,
+    /// Gemma 3: RMS norms of each query and key head (`[head_dim]`) before
+    /// RoPE, and of the attention and FFN outputs (`[dim]`) before the
+    /// residual adds.
+    pub(crate) qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub(crate) post_norms: Option<(Vec<f32>, Vec<f32>)>,
 }
 
 /// The weights of a Llama model, loaded once and shared (`Arc`) by any
@@ -147,6 +152,8 @@ pub struct LlamaWeights {
     pub(crate) lm_head: Linear,
     pub(crate) layers: Vec<Layer>,
     pub(crate) inv_freq: Vec<f64>,
+    /// The local layers' RoPE frequencies (Gemma 3; else `inv_freq`'s).
+    pub(crate) inv_freq_local: Vec<f64>,
 }
 
 fn vector(f: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -155,19 +162,21 @@ fn vector(f: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>> {
 }
 
 impl LlamaWeights {
-    /// Loads every tensor of a Llama or Qwen2 GGUF (`token_embd`,
+    /// Loads every tensor of a Llama, Qwen2 or Gemma 3 GGUF (`token_embd`,
     /// `output_norm`, optional `output`, and `blk.{i}.{attn_norm, attn_q,
     /// attn_k, attn_v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down}`,
-    /// plus Qwen2's `attn_{q,k,v}.bias`). Q/K rows are taken as stored: in
+    /// plus Qwen2's `attn_{q,k,v}.bias` and Gemma 3's `attn_{q,k}_norm`,
+    /// `post_attention_norm` and `post_ffw_norm`, whose weights GGUF holds
+    /// with Gemma's `1 +` already added). Q/K rows are taken as stored: in
     /// GGUF's RoPE layout for the architecture (adjacent pairs for Llama,
-    /// halves for Qwen2).
+    /// halves for Qwen2 and Gemma 3).
     ///
     /// # Errors
     /// [`Error::Metadata`]/[`Error::Tensor`] for missing or misshaped
     /// entries, [`Error::Candle`] for read or dequantisation errors.
     pub fn load(f: &mut GgufFile, format: WeightFormat) -> Result<Self> {
         let c = LlamaConfig::from_gguf(f)?;
-        let (d, kv, ff) = (c.dim, c.kv_dim(), c.ffn_dim);
+        let (d, kv, ff, qd) = (c.dim, c.kv_dim(), c.ffn_dim, c.q_dim());
         let embd_q = f.tensor("token_embd.weight", &[c.vocab_size, d])?;
         let embed = embd_q
             .dequantize(&Device::Cpu)?
@@ -184,15 +193,32 @@ impl LlamaWeights {
         let mut layers = Vec::new();
         for i in 0..c.n_layers {
             let p = |s: &str| format!("blk.{i}.{s}.weight");
-            let q = f.tensor(&p("attn_q"), &[d, d])?;
+            let q = f.tensor(&p("attn_q"), &[qd, d])?;
             let k = f.tensor(&p("attn_k"), &[kv, d])?;
             let v = f.tensor(&p("attn_v"), &[kv, d])?;
-            let o = f.tensor(&p("attn_output"), &[d, d])?;
+            let o = f.tensor(&p("attn_output"), &[d, qd])?;
             let g = f.tensor(&p("ffn_gate"), &[ff, d])?;
             let u = f.tensor(&p("ffn_up"), &[ff, d])?;
             let dn = f.tensor(&p("ffn_down"), &[d, ff])?;
+            let gemma = c.arch == Arch::Gemma3;
+            let qk_norm = if gemma {
+                Some((
+                    vector(f, &p("attn_q_norm"), c.head_dim)?,
+                    vector(f, &p("attn_k_norm"), c.head_dim)?,
+                ))
+            } else {
+                None
+            };
+            let post_norms = if gemma {
+                Some((
+                    vector(f, &p("post_attention_norm"), d)?,
+                    vector(f, &p("post_ffw_norm"), d)?,
+                ))
+            } else {
+                None
+            };
             let qkv_bias = match c.arch {
-                Arch::Llama => None,
+                Arch::Llama | Arch::Gemma3 => None,
                 Arch::Qwen2 => {
                     let b = |s: &str| format!("blk.{i}.{s}.bias");
                     let mut all = vector(f, &b("attn_q"), d)?;
@@ -203,6 +229,8 @@ impl LlamaWeights {
             };
             layers.push(Layer {
                 qkv_bias,
+                qk_norm,
+                post_norms,
                 attn_norm: vector(f, &p("attn_norm"), d)?,
                 ffn_norm: vector(f, &p("ffn_norm"), d)?,
                 qkv: Linear::stacked(vec![q, k, v], format)?,
@@ -212,9 +240,12 @@ impl LlamaWeights {
             });
         }
         let half = c.head_dim / 2;
-        let inv_freq = (0..half)
-            .map(|i| (c.rope_theta as f64).powf(-2.0 * i as f64 / c.head_dim as f64))
-            .collect();
+        let freqs = |base: f32| -> Vec<f64> {
+            (0..half)
+                .map(|i| f64::from(base).powf(-2.0 * i as f64 / c.head_dim as f64))
+                .collect()
+        };
+        let (inv_freq, inv_freq_local) = (freqs(c.rope_theta), freqs(c.rope_theta_local));
         Ok(Self {
             config: c,
             format,
@@ -223,6 +254,7 @@ impl LlamaWeights {
             lm_head,
             layers,
             inv_freq,
+            inv_freq_local,
         })
     }
 
@@ -246,7 +278,8 @@ impl LlamaWeights {
     }
 
     /// The attention shape of every layer (`n_heads`, `n_kv_heads`,
-    /// `head_dim`, scale `1/sqrt(head_dim)`).
+    /// `head_dim`, scale `1/sqrt(head_dim)`, which is also Gemma 3 270M's
+    /// `query_pre_attn_scalar` of 256).
     ///
     /// # Errors
     /// Never for a config that passed validation.

@@ -507,7 +507,22 @@ fn decode_all(llm: &mut Llama, ids: &[u32]) -> Vec<f32> {
 #[test]
 fn fork_continues_bit_for_bit_and_alone() {
     let dir = tempfile::tempdir().unwrap();
-    let w = weights(&tiny(dir.path(), &SynthSpec::default()), WeightFormat::F32);
+    for spec in [SynthSpec::default(), gemma3_spec()] {
+        fork_case(&weights(&tiny(dir.path(), &spec), WeightFormat::F32));
+    }
+}
+
+/// A tiny Gemma 3: five local layers (sliding window of 8) and a global one.
+fn gemma3_spec() -> SynthSpec {
+    SynthSpec {
+        arch: hgca_llm::Arch::Gemma3,
+        n_layers: 6,
+        ..SynthSpec::default()
+    }
+}
+
+fn fork_case(w: &Arc<LlamaWeights>) {
+    let arch = w.config().arch;
     let prompt: Vec<u32> = (0..40u32).map(|i| (i * 13 + 5) % 250).collect();
     let next: Vec<u32> = (0..12u32).map(|i| (i * 29 + 7) % 250).collect();
     let other: Vec<u32> = (0..9u32).map(|i| (i * 31 + 1) % 250).collect();
@@ -516,17 +531,17 @@ fn fork_continues_bit_for_bit_and_alone() {
     let variants: [(&str, Make<'_>); 3] = [
         (
             "full",
-            Box::new(|| Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap()),
+            Box::new(|| Llama::with_full_attention::<f32>(Arc::clone(w)).unwrap()),
         ),
         (
             "hybrid mass",
-            Box::new(|| Llama::new(Arc::clone(&w), tiny_hybrid(mass)).unwrap()),
+            Box::new(|| Llama::new(Arc::clone(w), tiny_hybrid(mass)).unwrap()),
         ),
         (
             "hybrid rescore",
             Box::new(|| {
                 Llama::new(
-                    Arc::clone(&w),
+                    Arc::clone(w),
                     tiny_hybrid(hgca_hybrid::Recovery::Rescore { every: 3 }),
                 )
                 .unwrap()
@@ -544,7 +559,10 @@ fn fork_continues_bit_for_bit_and_alone() {
         // The original goes elsewhere; the fork then runs `next`.
         decode_all(&mut a, &other);
         let forked = decode_all(&mut b, &next);
-        assert!(straight == forked, "{name}: a fork's continuation differs");
+        assert!(
+            straight == forked,
+            "{arch:?} {name}: a fork's continuation differs"
+        );
         // A fork of a fork, after the original moved on, still starts
         // from where it was taken.
         let mut fresh = make();
@@ -554,7 +572,7 @@ fn fork_continues_bit_for_bit_and_alone() {
         decode_all(&mut fresh, &other);
         assert!(
             decode_all(&mut c, &next) == straight,
-            "{name}: fork of a fork"
+            "{arch:?} {name}: fork of a fork"
         );
     }
 }
@@ -567,9 +585,15 @@ fn fork_continues_bit_for_bit_and_alone() {
 #[test]
 fn followers_hold_their_own_prefill() {
     let dir = tempfile::tempdir().unwrap();
-    for arch in [hgca_llm::Arch::Llama, hgca_llm::Arch::Qwen2] {
+    for arch in [
+        hgca_llm::Arch::Llama,
+        hgca_llm::Arch::Qwen2,
+        hgca_llm::Arch::Gemma3,
+    ] {
         let spec = SynthSpec {
             arch,
+            // Gemma 3's sixth layer is its first global one.
+            n_layers: if arch == hgca_llm::Arch::Gemma3 { 6 } else { 2 },
             ..SynthSpec::default()
         };
         let w = weights(&tiny(dir.path(), &spec), WeightFormat::F32);

@@ -1,7 +1,8 @@
 //! Each architecture's forward pass against an independent one: a plain f64
 //! transcription of the model's equations, written here from the GGUF's
 //! tensors (f32 synthetic models, Llama and Qwen2), with nothing shared with
-//! `hgca-llm`'s forward but the file. Also Qwen2's tokenizer and the hybrid
+//! `hgca-llm`'s forward but the file (Gemma 3 has its own, in numpy:
+//! tests/gemma3.rs). Also Qwen2's tokenizer and the hybrid
 //! layer equal to full attention when it selects every entry.
 
 use std::sync::Arc;
@@ -55,7 +56,7 @@ fn rope(h: &mut [f64], p: usize, theta: f64, arch: Arch) {
         let (s, c) = a.sin_cos();
         let (x, y) = match arch {
             Arch::Llama => (2 * i, 2 * i + 1),
-            Arch::Qwen2 => (i, i + d / 2),
+            Arch::Qwen2 | Arch::Gemma3 => (i, i + d / 2),
         };
         let (u, v) = (h[x], h[y]);
         h[x] = u * c - v * s;
@@ -100,7 +101,7 @@ fn reference_logits(f: &mut GgufFile, ids: &[u32]) -> Vec<f64> {
         );
         let bias = |f: &mut GgufFile, s: &str, n: usize| match c.arch {
             Arch::Qwen2 => w(f, &format!("{s}.bias"), &[n]),
-            Arch::Llama => vec![0.0; n],
+            Arch::Llama | Arch::Gemma3 => vec![0.0; n],
         };
         let (bq, bk, bv) = (
             bias(f, "attn_q", d),

@@ -133,26 +133,30 @@ struct Answer {
     right: Vec<bool>,
 }
 
-/// The chat format's pieces (ChatML: SmolLM2, Qwen2): the user turn's
-/// opening, the first and the later turns' question forms (`{ask}`, then
-/// the assistant's turn up to the answer's given `{prefix}`), the end token.
+/// The chat format's pieces ([`hgca_llm::ChatFormat`]: ChatML for SmolLM2
+/// and Qwen2, Gemma's turns): the user turn's opening, the first and the
+/// later turns' question forms (`{ask}`, then the assistant's turn up to the
+/// answer's given `{prefix}`), the end token.
 struct Chat {
-    user: &'static str,
-    first: &'static str,
-    next: &'static str,
+    user: String,
+    first: String,
+    next: String,
     end: u32,
 }
 
 fn chat(tok: &GgufTokenizer) -> Result<Chat> {
-    let end = tok.token_to_id("<|im_end|>").ok_or(Error::Invalid {
+    let f = tok.chat_format().ok_or(Error::Invalid {
         what: "--model",
-        msg: "the ruler suite asks in the ChatML format (<|im_start|>, <|im_end|>), which this model's vocabulary lacks".into(),
+        msg: "the ruler suite asks in a chat format (ChatML's <|im_start|>/<|im_end|> or Gemma's <start_of_turn>/<end_of_turn>), which this model's vocabulary lacks".into(),
     })?;
     Ok(Chat {
-        user: "<|im_start|>user\n",
-        first: "\n\n{ask}<|im_end|>\n<|im_start|>assistant\n{prefix}",
-        next: "<|im_end|>\n<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n{prefix}",
-        end,
+        user: f.user.to_owned(),
+        first: format!("\n\n{{ask}}{}{}{{prefix}}", f.end_turn, f.assistant),
+        next: format!(
+            "{}{}{{ask}}{}{}{{prefix}}",
+            f.end_turn, f.user, f.end_turn, f.assistant
+        ),
+        end: f.end,
     })
 }
 
@@ -195,7 +199,7 @@ fn prompt(
                 .iter()
                 .enumerate()
                 .map(|(t, turn)| {
-                    let form = if t == 0 { c.first } else { c.next };
+                    let form = if t == 0 { &c.first } else { &c.next };
                     let text = form
                         .replace("{ask}", &turn.ask)
                         .replace("{prefix}", &turn.prefix);
