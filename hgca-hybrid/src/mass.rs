@@ -31,8 +31,8 @@ enum Codes {
     Int4(Int4Keys),
 }
 
-/// The low-bit copy of one KV head's CPU keys: each row whitened per
-/// channel, `(k - center) / gain`, then quantised with its own scale. The
+/// The low-bit copy of one KV head's CPU keys: each row (for int4 codes)
+/// whitened per channel, `(k - center) / gain`, then quantised with its own scale. The
 /// centre and gain come from the first rows pushed (the sinks left out when
 /// there are others): a fixed affine map, which the estimate folds into the
 /// query (`q·k = (q ∘ gain)·k' + q·center`).
@@ -74,9 +74,16 @@ impl KeyCopy {
             return;
         }
         if self.gain.is_empty() {
-            let n = rows.len() / d;
-            let skip = if sinks < n { sinks } else { 0 };
-            self.calibrate(&rows[skip * d..]);
+            if matches!(self.codes, Codes::Int4(_)) {
+                let n = rows.len() / d;
+                let skip = if sinks < n { sinks } else { 0 };
+                self.calibrate(&rows[skip * d..]);
+            } else {
+                // Int8 rows as they are: whitening them selected more
+                // entries for no better answers (Qwen2.5-0.5B, 4k ruler).
+                self.center = vec![0.0; d];
+                self.gain = vec![1.0; d];
+            }
         }
         for k in rows.chunks_exact(d) {
             for (((r, &x), &c), &g) in self.row.iter_mut().zip(k).zip(&self.center).zip(&self.gain)
@@ -224,9 +231,9 @@ pub(crate) struct Scratch {
     margin: f32,
 }
 
-/// The admission margin in standard deviations of an estimate's rounding
-/// error: an entry is admitted when its estimate is within this many of
-/// them below the threshold. Without it the entries left out are those the
+/// The admission margin of int4 estimates in standard deviations of their
+/// rounding error: an entry is admitted when its estimate is within this
+/// many of them below the threshold. Without it the entries left out are those the
 /// rounding pushed down (chosen by their error), and with int4 codes the
 /// mass they truly hold was several times the budget.
 const MARGIN_SIGMAS: f32 = 2.0;
@@ -420,7 +427,13 @@ fn estimate<T: KvElem>(
         s.qw.chunks_exact(d)
             .map(|q| q.iter().map(|x| x * x).sum::<f32>().sqrt())
             .fold(0.0f32, f32::max);
-    s.margin = MARGIN_SIGMAS * qn / 12f32.sqrt();
+    s.margin = if matches!(h.keys.codes, Codes::Int4(_)) {
+        MARGIN_SIGMAS * qn / 12f32.sqrt()
+    } else {
+        // Int8 rounding is 18 times finer: no margin (with one, more
+        // entries were admitted for no better answers).
+        0.0
+    };
     Ok((culled_mass, estimated_entries))
 }
 

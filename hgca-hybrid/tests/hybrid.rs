@@ -1,6 +1,8 @@
 //! The hybrid layer against full attention and the f64 reference.
 
-use hgca_hybrid::{FullAttention, HybridAttention, HybridConfig, Recovery, SequenceAttention};
+use hgca_hybrid::{
+    FullAttention, HybridAttention, HybridConfig, KeyCodes, Recovery, SequenceAttention,
+};
 use hgca_kernels::{AttnShape, DType, Error, MassTarget, bf16, f16};
 use hgca_testkit::{KvLog, Rng, Tolerance};
 use proptest::prelude::*;
@@ -726,11 +728,12 @@ fn mass_selector_follows_a_scattered_shift() {
     use hgca_eval::{Harness, Scattered, StepAccuracy, Synth, SynthSpec};
     let shape = AttnShape::new(4, 2, 64).unwrap();
     let context = 16384;
-    let run = |recovery| -> Vec<(StepAccuracy, Option<f32>)> {
+    let run = |recovery, key_codes| -> Vec<(StepAccuracy, Option<f32>)> {
         let cfg = HybridConfig {
             window: 4096,
             block: 64,
             recovery,
+            key_codes,
             ..HybridConfig::default()
         };
         let cpu = hgca_cpu::CpuBackend::new();
@@ -755,10 +758,18 @@ fn mass_selector_follows_a_scattered_shift() {
     };
     // Steps 0..4 before the shift (the context's 2 probes took steps), 4.. after.
     let shifted = 4..10;
-    let frozen = run(Recovery::Frozen);
-    let bounds = run(Recovery::BlockBounds { top: 32 });
-    let mass = run(Recovery::Mass(MassTarget::new(0.99, 0.5).unwrap()));
+    let frozen = run(Recovery::Frozen, KeyCodes::Int8);
+    let bounds = run(Recovery::BlockBounds { top: 32 }, KeyCodes::Int8);
+    let target = Recovery::Mass(MassTarget::new(0.99, 0.5).unwrap());
+    let mass = run(target, KeyCodes::Int8);
+    // The int4 copy (whitened, with its admission margin) holds it too.
+    let mass4 = run(target, KeyCodes::Int4);
     for t in shifted.clone() {
+        let a = mass4[t].0;
+        assert!(
+            a.rel_err < 0.1 && a.recall > 0.97 && a.selected < 0.05,
+            "step {t}: int4 mass selector {a:?}"
+        );
         assert!(
             frozen[t].0.rel_err > 0.5 && frozen[t].0.recall < 0.1,
             "step {t}: the frozen rule should lose the shifted mass: {:?}",

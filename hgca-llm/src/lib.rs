@@ -1,7 +1,8 @@
 //! # hgca-llm: a real model end to end through hgca
 //!
-//! Loads a Llama or Qwen2 GGUF (e.g. SmolLM2-135M, Qwen2.5-Coder-0.5B) with `candle-core`,
-//! rebuilds its byte-level BPE tokenizer with `tokenizers`, and runs the
+//! Loads a Llama, Qwen2 or Gemma 3 GGUF (e.g. SmolLM2-135M, Qwen2.5-Coder-0.5B,
+//! Gemma 3 270M) with `candle-core`, rebuilds its tokenizer (byte-level BPE
+//! with `tokenizers`, or SentencePiece from the vocabulary's scores), and runs the
 //! forward pass on the CPU with one [`hgca_hybrid::SequenceAttention`] per
 //! layer: exact full attention ([`hgca_hybrid::FullAttention`]) or hgca's
 //! hybrid layer, chosen by a per-layer factory. [`perplexity`] measures
@@ -51,5 +52,8 @@ pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// Where `scripts/fetch-model.sh --qwen2` puts Qwen2.5-Coder-0.5B-Instruct.
 pub const QWEN2_MODEL: &str = "models/Qwen2.5-Coder-0.5B-Instruct.gguf";
+
+/// Where `scripts/fetch-model.sh --gemma3` puts Gemma 3 270M (Q4_K_M).
+pub const GEMMA3_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
 /// Where `scripts/fetch-model.sh` puts Austen's *Persuasion*.
 pub const DEFAULT_TEXT: &str = "data/persuasion.txt";
