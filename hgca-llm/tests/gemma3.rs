@@ -86,17 +86,58 @@ fn gemma3_matches_the_numpy_reference() {
     assert_eq!(w.config().local_window(5), None);
     let n = 3 * SYNTH_WINDOW + 5;
     let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % 250).collect();
-    // A prompt chunk, then decode steps: both paths of the local layers.
-    let mut m = Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    compare(&py, &path, &w, &ids, 1e-3);
+}
+
+/// The real Gemma 3 270M (`scripts/fetch-model.sh --gemma3`; skipped when
+/// absent) on 600-odd tokens of text, its own tokenizer, against the reference:
+/// its weights dequantised to f32 on both sides.
+#[test]
+fn gemma3_270m_matches_the_numpy_reference() {
+    let path = repo().join(hgca_llm::GEMMA3_MODEL);
+    if !path.exists() {
+        eprintln!(
+            "SKIP: {} absent (bash scripts/fetch-model.sh --gemma3)",
+            path.display()
+        );
+        return;
+    }
+    let py = match ref_python() {
+        Ok(p) => p,
+        Err(why) => {
+            hgca_testkit::require::skip("gguf-ref", why);
+            return;
+        }
+    };
+    let f = hgca_llm::GgufFile::open(&path).unwrap();
+    let tok = hgca_llm::GgufTokenizer::from_gguf(&f).unwrap();
+    // Longer than the local layers' 512-token window.
+    let text: String = (0..30)
+        .map(|i| format!("{i}. Anne Elliot had been forced into prudence in her youth; she learned romance as she grew older.\n"))
+        .collect();
+    let ids = tok.encode(&text, true).unwrap();
+    assert_eq!(ids[0], 2, "<bos>");
+    assert!(ids.len() > 600, "{} tokens", ids.len());
+    let w = Arc::new(LlamaWeights::from_path(&path, WeightFormat::F32).unwrap());
+    compare(&py, &path, &w, &ids, 1e-3);
+}
+
+/// hgca-llm's logits of `ids` (a prompt chunk, then the last 6 as decode
+/// steps: both paths of the local layers) against `gemma3_ref.py`'s, within
+/// `tol` of the largest logit.
+fn compare(py: &Path, path: &Path, w: &Arc<LlamaWeights>, ids: &[u32], tol: f32) {
+    let n = ids.len();
+    let dir = tempfile::tempdir().unwrap();
+    let mut m = Llama::with_full_attention::<f32>(Arc::clone(w)).unwrap();
     let mut got = m.forward(&ids[..n - 6], Logits::All).unwrap();
     for &t in &ids[n - 6..] {
         got.extend(m.forward(&[t], Logits::Last).unwrap());
     }
     let out = dir.path().join("ref.npy");
     let list: Vec<String> = ids.iter().map(u32::to_string).collect();
-    let run = Command::new(&py)
+    let run = Command::new(py)
         .arg(repo().join("scripts/gemma3_ref.py"))
-        .arg(&path)
+        .arg(path)
         .arg(list.join(","))
         .arg(&out)
         .output()
@@ -117,7 +158,7 @@ fn gemma3_matches_the_numpy_reference() {
         .fold(0f32, f32::max);
     eprintln!("gemma3 vs numpy: max |diff| {worst:.2e}, max |logit| {scale:.2}");
     assert!(
-        worst <= 1e-3 * scale,
+        worst <= tol * scale,
         "logits differ from the reference by {worst} (scale {scale})"
     );
 }
