@@ -9,6 +9,12 @@
 //! needs (K/V, MAW, block key bounds). It is an error when not even one
 //! block fits, or when a CPU budget is given and the rest does not fit it.
 //!
+//! A model whose local layers attend a sliding window (Gemma 3: five in
+//! six, 512 tokens; [`PlanRequest::sliding`]) keeps those windows whole on
+//! the GPU, a cost fixed by the window, not the context; only its global
+//! layers take the hybrid split, so only they size the window and the CPU
+//! store.
+//!
 //! ```
 //! use hgca_hybrid::planner::{plan, ModelShape, PlanRequest};
 //! use hgca_kernels::DType;
@@ -67,6 +73,18 @@ pub struct PlanRequest {
     /// Split-K partials of one dense decode (per sequence; the CUDA and wgpu
     /// backends use at most a few thousand).
     pub decode_splits: usize,
+    /// The model's local (sliding-window) layers, counted in
+    /// `model.layers`; `None`: every layer is global.
+    pub sliding: Option<Sliding>,
+}
+
+/// Local layers of a model: how many, and the window each attends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sliding {
+    /// Local layers (of `ModelShape::layers`, fewer than all of them).
+    pub layers: usize,
+    /// Their window in tokens.
+    pub window: usize,
 }
 
 impl PlanRequest {
@@ -80,7 +98,23 @@ impl PlanRequest {
             cpu_budget: None,
             block: None,
             decode_splits: 1024,
+            sliding: None,
         }
+    }
+
+    /// Layers that take the hybrid split (all but the local ones).
+    fn global_layers(&self) -> usize {
+        self.model.layers - self.sliding.map_or(0, |s| s.layers)
+    }
+
+    /// GPU bytes of the local layers' windows (whole, every sequence).
+    fn local_bytes(&self) -> u64 {
+        self.sliding.map_or(0, |s| {
+            self.batch as u64
+                * s.layers as u64
+                * s.window.min(self.context) as u64
+                * self.model.kv_bytes_per_token()
+        })
     }
 }
 
@@ -93,7 +127,8 @@ pub struct Plan {
     pub block: usize,
     /// Tokens per sequence left to the CPU store (`context - window`, or 0).
     pub cpu_tokens: usize,
-    /// GPU bytes used: windows of every layer and sequence plus scratch.
+    /// GPU bytes used: windows of every layer and sequence (the local
+    /// layers' included) plus scratch.
     pub gpu_bytes: u64,
     /// Of which the per-step scratch (weights out, split partials), bytes.
     pub gpu_scratch_bytes: u64,
@@ -120,8 +155,8 @@ impl Plan {
 /// split partials, per sequence).
 fn gpu_bytes(r: &PlanRequest, window: usize) -> u64 {
     let m = &r.model;
-    let kv = r.batch as u64 * m.layers as u64 * window as u64 * m.kv_bytes_per_token();
-    kv + scratch_bytes(r, window)
+    let kv = r.batch as u64 * r.global_layers() as u64 * window as u64 * m.kv_bytes_per_token();
+    kv + r.local_bytes() + scratch_bytes(r, window)
 }
 
 fn scratch_bytes(r: &PlanRequest, window: usize) -> u64 {
@@ -139,14 +174,15 @@ fn cpu_bytes(r: &PlanRequest, tokens: usize, block: usize) -> u64 {
     let per_layer = tokens as u64 * m.kv_bytes_per_token()
         + (m.kv_heads * tokens * 4) as u64
         + (tokens.div_ceil(block) * m.kv_heads * 2 * m.head_dim * 4) as u64;
-    r.batch as u64 * m.layers as u64 * per_layer
+    r.batch as u64 * r.global_layers() as u64 * per_layer
 }
 
 /// Plans the window and block for `r` (see the module docs).
 ///
 /// # Errors
 /// [`Error::Zero`] for a zero count; [`Error::Param`] for a block that is
-/// not a power of two or q_heads not a multiple of kv_heads;
+/// not a power of two, q_heads not a multiple of kv_heads, or local layers
+/// that are not fewer than all;
 /// [`Error::Capacity`] when not one block fits the GPU budget, or the CPU
 /// store does not fit `cpu_budget`.
 pub fn plan(r: &PlanRequest) -> Result<Plan> {
@@ -171,6 +207,20 @@ pub fn plan(r: &PlanRequest) -> Result<Plan> {
             expected: "q_heads a multiple of kv_heads",
         });
     }
+    if let Some(sl) = r.sliding {
+        if sl.window == 0 {
+            return Err(Error::Zero {
+                what: "sliding window",
+            });
+        }
+        if sl.layers >= m.layers {
+            return Err(Error::Param {
+                what: "local layers",
+                value: sl.layers as f64,
+                expected: "fewer than the model's layers",
+            });
+        }
+    }
     if let Some(b) = r.block
         && !b.is_power_of_two()
     {
@@ -182,9 +232,9 @@ pub fn plan(r: &PlanRequest) -> Result<Plan> {
     }
     // Largest window (tokens) the budget allows, from the linear cost model:
     // gpu_bytes(w) = per_token * w + fixed.
-    let per_token =
-        r.batch as u64 * (m.layers as u64 * m.kv_bytes_per_token() + (m.q_heads * 4) as u64);
-    let fixed = scratch_bytes(r, 0);
+    let per_token = r.batch as u64
+        * (r.global_layers() as u64 * m.kv_bytes_per_token() + (m.q_heads * 4) as u64);
+    let fixed = scratch_bytes(r, 0) + r.local_bytes();
     let max_tokens = r.gpu_budget.saturating_sub(fixed) / per_token;
     let max_tokens = usize::try_from(max_tokens).unwrap_or(usize::MAX);
     let block = match r.block {
@@ -245,6 +295,46 @@ mod tests {
             head_dim: 128,
             dtype: DType::F16,
         }
+    }
+
+    /// Gemma 3 270M's shape: 15 local layers of 512 tokens, 3 global. The
+    /// local windows cost their own fixed bytes; the global layers get the
+    /// window a 3-layer model would get from what is left.
+    #[test]
+    fn local_layers_cost_their_window_and_leave_the_split_to_the_global_ones() {
+        let model = ModelShape {
+            layers: 18,
+            q_heads: 4,
+            kv_heads: 1,
+            head_dim: 256,
+            dtype: DType::F16,
+        };
+        let (context, budget) = (32 << 10, 64u64 << 20);
+        let mut r = PlanRequest::new(model, 2, context, budget);
+        r.sliding = Some(Sliding {
+            layers: 15,
+            window: 512,
+        });
+        let p = plan(&r).unwrap();
+        let local = 2 * 15 * 512 * model.kv_bytes_per_token();
+        assert_eq!(r.local_bytes(), local);
+        let mut global = PlanRequest::new(
+            ModelShape { layers: 3, ..model },
+            2,
+            context,
+            budget - local,
+        );
+        global.block = Some(p.block);
+        let g = plan(&global).unwrap();
+        assert_eq!((p.window, p.cpu_tokens), (g.window, g.cpu_tokens));
+        assert_eq!(p.gpu_bytes, g.gpu_bytes + local);
+        assert_eq!(p.cpu_bytes, g.cpu_bytes);
+        assert!(p.gpu_bytes <= budget && p.window < context);
+        r.sliding = Some(Sliding {
+            layers: 18,
+            window: 512,
+        });
+        assert!(matches!(plan(&r), Err(Error::Param { .. })));
     }
 
     #[test]
