@@ -70,7 +70,7 @@ fn main() -> Result<(), hgca_kernels::Error> {
         "{kind:?} decay_accumulate, {} gathered: {t:?} per head",
         sel.len()
     );
-    // The int8 estimate of the mass selector: a group of 7 over 32k keys
+    // The int8 and int4 estimates of the mass selector: a group of 7 over 32k keys
     // of d = 64 (Qwen2.5-0.5B at 32k), SmolLM2-135M at 8k (a group of 3
     // over the 6016 CPU entries), and the 128k demo's head.
     for (group, n, d) in [
@@ -79,11 +79,13 @@ fn main() -> Result<(), hgca_kernels::Error> {
         (4, entries, 128),
     ] {
         let mut keys = hgca_cpu::Int8Keys::new(d);
+        let mut keys4 = hgca_cpu::Int4Keys::new(d);
         for j in 0..n {
             let row: Vec<f32> = (0..d)
                 .map(|i| (((j * d + i) * 7919) % 255) as f32 - 127.0)
                 .collect();
             keys.push(&row);
+            keys4.push(&row);
         }
         let q: Vec<f32> = (0..group * d)
             .map(|i| ((i * 31) % 200) as f32 / 100.0 - 1.0)
@@ -98,6 +100,15 @@ fn main() -> Result<(), hgca_kernels::Error> {
             "{kind:?} int8_max_scores, group {group}, {n} keys of d {d}: {t:?} per head, {:.1} GMAC/s, {:.1} GB/s of codes",
             (group * n * d) as f64 / t.as_secs_f64() / 1e9,
             (n * d) as f64 / t.as_secs_f64() / 1e9
+        );
+        let t = per_call(50, || {
+            cpu.int4_max_scores(&q, &off, d, keys4.codes(), keys4.scales(), &mut est)
+                .expect("lengths fit");
+        });
+        println!(
+            "{kind:?} int4_max_scores, group {group}, {n} keys of d {d}: {t:?} per head, {:.1} GMAC/s, {:.1} GB/s of codes",
+            (group * n * d) as f64 / t.as_secs_f64() / 1e9,
+            (n * d) as f64 / 2.0 / t.as_secs_f64() / 1e9
         );
     }
     Ok(())

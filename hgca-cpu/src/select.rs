@@ -474,6 +474,51 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     }
 }
 
+/// The accessors [`Int8Keys`] and [`Int4Keys`] share: `$code` is the
+/// element type of the codes, `$per_tile` the codes' elements per tile and
+/// dimension.
+macro_rules! tiled_accessors {
+    ($name:literal, $code:ty, $per_tile:expr) => {
+        /// Rows held.
+        pub fn len(&self) -> usize {
+            self.scales.len()
+        }
+
+        /// Whether no row is held.
+        pub fn is_empty(&self) -> bool {
+            self.scales.is_empty()
+        }
+
+        /// The codes, tiled (whole tiles).
+        pub fn codes(&self) -> &[$code] {
+            &self.codes
+        }
+
+        /// One scale per row.
+        pub fn scales(&self) -> &[f32] {
+            &self.scales
+        }
+
+        /// The codes and scales of rows `range`, which must start at a tile
+        /// boundary (a multiple of [`INT8_TILE`]).
+        ///
+        /// # Panics
+        /// When `range` is out of bounds or does not start at a tile boundary.
+        pub fn rows(&self, range: std::ops::Range<usize>) -> (&[$code], &[f32]) {
+            assert!(
+                range.start.is_multiple_of(INT8_TILE),
+                concat!($name, "::rows: a tile boundary")
+            );
+            let t = self.d * $per_tile;
+            let tiles = range.start / INT8_TILE..range.end.div_ceil(INT8_TILE);
+            (
+                &self.codes[tiles.start * t..tiles.end * t],
+                &self.scales[range],
+            )
+        }
+    };
+}
+
 /// Rows per tile of the int8 key layout of [`CpuBackend::int8_max_scores`].
 pub const INT8_TILE: usize = 16;
 
@@ -514,43 +559,7 @@ impl Int8Keys {
         }
     }
 
-    /// Rows held.
-    pub fn len(&self) -> usize {
-        self.scales.len()
-    }
-
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.scales.is_empty()
-    }
-
-    /// The codes, tiled (whole tiles).
-    pub fn codes(&self) -> &[i8] {
-        &self.codes
-    }
-
-    /// One scale per row.
-    pub fn scales(&self) -> &[f32] {
-        &self.scales
-    }
-
-    /// The codes and scales of rows `range`, which must start at a tile
-    /// boundary (a multiple of [`INT8_TILE`]).
-    ///
-    /// # Panics
-    /// When `range` is out of bounds or does not start at a tile boundary.
-    pub fn rows(&self, range: std::ops::Range<usize>) -> (&[i8], &[f32]) {
-        assert!(
-            range.start.is_multiple_of(INT8_TILE),
-            "Int8Keys::rows: a tile boundary"
-        );
-        let t = self.d * INT8_TILE;
-        let tiles = range.start / INT8_TILE..range.end.div_ceil(INT8_TILE);
-        (
-            &self.codes[tiles.start * t..tiles.end * t],
-            &self.scales[range],
-        )
-    }
+    tiled_accessors!("Int8Keys", i8, INT8_TILE);
 }
 
 /// An int4 copy of key rows in the tiled layout of
@@ -599,25 +608,7 @@ impl Int4Keys {
         }
     }
 
-    /// Rows held.
-    pub fn len(&self) -> usize {
-        self.scales.len()
-    }
-
-    /// Whether no row is held.
-    pub fn is_empty(&self) -> bool {
-        self.scales.is_empty()
-    }
-
-    /// The packed codes, tiled (whole tiles).
-    pub fn codes(&self) -> &[u8] {
-        &self.codes
-    }
-
-    /// One scale per row.
-    pub fn scales(&self) -> &[f32] {
-        &self.scales
-    }
+    tiled_accessors!("Int4Keys", u8, INT8_TILE / 2);
 
     /// Row `j`'s element `i` as its code (`-7..=7`).
     ///
@@ -632,24 +623,6 @@ impl Int4Keys {
         } else {
             ((b << 4) as i8) >> 4
         }
-    }
-
-    /// The codes and scales of rows `range`, which must start at a tile
-    /// boundary (a multiple of [`INT8_TILE`]).
-    ///
-    /// # Panics
-    /// When `range` is out of bounds or does not start at a tile boundary.
-    pub fn rows(&self, range: std::ops::Range<usize>) -> (&[u8], &[f32]) {
-        assert!(
-            range.start.is_multiple_of(INT8_TILE),
-            "Int4Keys::rows: a tile boundary"
-        );
-        let t = self.d * INT8_TILE / 2;
-        let tiles = range.start / INT8_TILE..range.end.div_ceil(INT8_TILE);
-        (
-            &self.codes[tiles.start * t..tiles.end * t],
-            &self.scales[range],
-        )
     }
 }
 
@@ -695,9 +668,7 @@ fn quantize_sym(x: &[f32], out: &mut [i8], top: i8) -> f32 {
     amax / top
 }
 
-/// [`CpuBackend::int8_max_scores`] for `H` query rows: per tile, `H`
-/// accumulators of [`INT8_TILE`] lanes, one widened key vector per
-/// dimension shared by the rows (vertical FMAs, no horizontal sums).
+/// [`CpuBackend::int8_max_scores`] for `H` query rows.
 #[inline(always)]
 fn int8_scores<const H: usize>(
     q: &[f32],
@@ -707,39 +678,15 @@ fn int8_scores<const H: usize>(
     ks: &[f32],
     out: &mut [f32],
 ) {
-    const T: usize = INT8_TILE;
-    for ((tile, s), o) in keys
-        .chunks_exact(T * d)
-        .zip(ks.chunks(T))
-        .zip(out.chunks_mut(T))
-    {
-        let mut acc = [[0.0f32; T]; H];
-        for (i, col) in tile.chunks_exact(T).enumerate() {
-            let mut k = [0.0f32; T];
-            for (x, &c) in k.iter_mut().zip(col) {
-                *x = f32::from(c);
-            }
-            for (a, qh) in acc.iter_mut().zip(q.chunks_exact(d)) {
-                let qi = qh[i];
-                for (x, &y) in a.iter_mut().zip(&k) {
-                    *x = qi.mul_add(y, *x);
-                }
-            }
+    tile_scores::<H, i8>(q, off, d, keys, INT8_TILE, ks, out, |col, k| {
+        for (x, &c) in k.iter_mut().zip(col) {
+            *x = f32::from(c);
         }
-        for (l, (o, &sc)) in o.iter_mut().zip(s).enumerate() {
-            *o = if sc.is_finite() {
-                acc.iter()
-                    .zip(off)
-                    .fold(*o, |m, (a, &c)| m.max(a[l] * sc - c))
-            } else {
-                f32::INFINITY
-            };
-        }
-    }
+    });
 }
 
-/// [`CpuBackend::int4_max_scores`] for `H` query rows, as [`int8_scores`]
-/// with each dimension's 8 bytes unpacked to the tile's 16 codes.
+/// [`CpuBackend::int4_max_scores`] for `H` query rows: each dimension's 8
+/// bytes unpacked to the tile's 16 codes (low nibbles first).
 #[inline(always)]
 fn int4_scores<const H: usize>(
     q: &[f32],
@@ -749,21 +696,42 @@ fn int4_scores<const H: usize>(
     ks: &[f32],
     out: &mut [f32],
 ) {
-    const T: usize = INT8_TILE;
     const HALF: usize = INT8_TILE / 2;
+    tile_scores::<H, u8>(q, off, d, keys, HALF, ks, out, |col, k| {
+        let (lo, hi) = k.split_at_mut(HALF);
+        for ((l, h), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(col) {
+            *l = f32::from(((c << 4) as i8) >> 4);
+            *h = f32::from((c as i8) >> 4);
+        }
+    });
+}
+
+/// The score estimate over tiled codes for `H` query rows: per tile, `H`
+/// accumulators of [`INT8_TILE`] lanes, one key vector per dimension
+/// (`unpack` widens a dimension's `per_dim` codes to it) shared by the
+/// rows (vertical FMAs, no horizontal sums).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tile_scores<const H: usize, C: Copy>(
+    q: &[f32],
+    off: &[f32],
+    d: usize,
+    keys: &[C],
+    per_dim: usize,
+    ks: &[f32],
+    out: &mut [f32],
+    unpack: impl Fn(&[C], &mut [f32; INT8_TILE]),
+) {
+    const T: usize = INT8_TILE;
     for ((tile, s), o) in keys
-        .chunks_exact(HALF * d)
+        .chunks_exact(per_dim * d)
         .zip(ks.chunks(T))
         .zip(out.chunks_mut(T))
     {
         let mut acc = [[0.0f32; T]; H];
-        for (i, col) in tile.chunks_exact(HALF).enumerate() {
+        for (i, col) in tile.chunks_exact(per_dim).enumerate() {
             let mut k = [0.0f32; T];
-            let (lo, hi) = k.split_at_mut(HALF);
-            for ((l, h), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(col) {
-                *l = f32::from(((c << 4) as i8) >> 4);
-                *h = f32::from((c as i8) >> 4);
-            }
+            unpack(col, &mut k);
             for (a, qh) in acc.iter_mut().zip(q.chunks_exact(d)) {
                 let qi = qh[i];
                 for (x, &y) in a.iter_mut().zip(&k) {

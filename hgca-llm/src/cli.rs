@@ -52,7 +52,8 @@ pub(crate) enum Cmd {
         #[arg(long, default_value_t = 0.25)]
         window_ratio: f64,
         /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
-        /// or oracle:P[:S]: the mass rule on exact scores).
+        /// mass8:/mass4: for the int8 or int4 key copy, or oracle:P[:S]:
+        /// the mass rule on exact scores).
         #[arg(long, default_value = "mass:0.9")]
         recovery: String,
     },
@@ -118,8 +119,9 @@ pub(crate) struct PplArgs {
     /// re-scoring every N steps), bounds:N (Quest-style top N blocks),
     /// mass:P[:S] (the default: per head, CPU entries until an estimated
     /// share P of the attention mass, at most a share S of them, 0.5 by
-    /// default, else all), oracle:P[:S] (the mass rule on exact scores: its
-    /// bound, reading every key).
+    /// default, else all; mass8:/mass4: name its int8 (default) or int4
+    /// key copy), oracle:P[:S] (the mass rule on exact scores: its bound,
+    /// reading every key).
     #[arg(long, default_value = "mass:0.9")]
     pub(crate) recovery: String,
     /// Hybrid: eviction block (power of two).

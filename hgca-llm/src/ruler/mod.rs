@@ -53,8 +53,9 @@ pub(crate) struct RulerArgs {
     docs: usize,
     /// Attention variants, comma separated: `full`, or `RULE@RATIO` for the
     /// hybrid layer with recovery RULE (frozen, rescore:N, bounds:N,
-    /// mass:P[:S], or oracle:P[:S], the mass rule with exact scores: the
-    /// bound of its estimate) and a window of RATIO of the context. The first leads
+    /// mass:P[:S], mass8:/mass4: for its int8 (default) or int4 key copy,
+    /// or oracle:P[:S], the mass rule with exact scores: the bound of its
+    /// estimate) and a window of RATIO of the context. The first leads
     /// the prefill; `full` must be one of them (the yardstick). The default:
     /// the mass selector at ratios 0.25 and 0.1, its oracle (its bound) and
     /// the paper's rule; add e.g. `rescore:16@0.25,bounds:8@0.25`.
