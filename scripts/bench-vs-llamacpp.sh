@@ -4,7 +4,7 @@
 # measured in one run, alternating (llama.cpp, hgca full, hgca hybrid, then
 # the next context), so a slow or noisy spell of the machine hits all three.
 #
-#   bash scripts/bench-vs-llamacpp.sh [--model smollm2|qwen2] [--contexts 2048,8192]
+#   bash scripts/bench-vs-llamacpp.sh [--model smollm2|qwen2|gemma3] [--contexts 2048,8192]
 #        [--threads N] [--decode N] [--reps N] [--build-only]
 #
 # llama.cpp is built once from the llama-cpp-python 0.3.36 sdist (it vendors
@@ -39,7 +39,8 @@ done
 case "$model" in
     smollm2) gguf="$root/models/SmolLM2-135M-Instruct.Q4_1.gguf"; fetch=(); contexts="${contexts:-2048,8000}" ;;
     qwen2) gguf="$root/models/Qwen2.5-Coder-0.5B-Instruct.gguf"; fetch=(--qwen2); contexts="${contexts:-2048,8192,16384,32000}" ;;
-    *) echo "--model is smollm2 or qwen2, not $model" >&2; exit 2 ;;
+    gemma3) gguf="$root/models/gemma-3-270m-q4_k_m.gguf"; fetch=(--gemma3); contexts="${contexts:-2048,8192,16384,32000}" ;;
+    *) echo "--model is smollm2, qwen2 or gemma3, not $model" >&2; exit 2 ;;
 esac
 
 work="$root/target/llamacpp"
