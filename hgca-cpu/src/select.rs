@@ -474,11 +474,19 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
     }
 }
 
-/// The accessors [`Int8Keys`] and [`Int4Keys`] share: `$code` is the
+/// The constructor and accessors [`Int8Keys`] and [`Int4Keys`] share: `$code` is the
 /// element type of the codes, `$per_tile` the codes' elements per tile and
 /// dimension.
 macro_rules! tiled_accessors {
     ($name:literal, $code:ty, $per_tile:expr) => {
+        /// An empty copy of rows of `d` elements.
+        pub fn new(d: usize) -> Self {
+            Self {
+                d,
+                ..Self::default()
+            }
+        }
+
         /// Rows held.
         pub fn len(&self) -> usize {
             self.scales.len()
@@ -533,14 +541,6 @@ pub struct Int8Keys {
 }
 
 impl Int8Keys {
-    /// An empty copy of rows of `d` elements.
-    pub fn new(d: usize) -> Self {
-        Self {
-            d,
-            ..Self::default()
-        }
-    }
-
     /// Appends one key row (`d` elements).
     ///
     /// # Panics
@@ -574,14 +574,6 @@ pub struct Int4Keys {
 }
 
 impl Int4Keys {
-    /// An empty copy of rows of `d` elements.
-    pub fn new(d: usize) -> Self {
-        Self {
-            d,
-            ..Self::default()
-        }
-    }
-
     /// Appends one key row (`d` elements).
     ///
     /// # Panics

@@ -39,6 +39,8 @@ enum Codes {
 #[derive(Debug, Clone)]
 pub(crate) struct KeyCopy {
     codes: Codes,
+    /// The whitening (int4 only; empty before the first rows, and always
+    /// for int8, whose rows are quantised as they are).
     center: Vec<f32>,
     gain: Vec<f32>,
     row: Vec<f32>,
@@ -73,22 +75,24 @@ impl KeyCopy {
         if d == 0 {
             return;
         }
-        if self.gain.is_empty() {
-            if matches!(self.codes, Codes::Int4(_)) {
-                let n = rows.len() / d;
-                let skip = if sinks < n { sinks } else { 0 };
-                self.calibrate(&rows[skip * d..]);
-            } else {
-                // Int8 rows as they are: whitening them selected more
-                // entries for no better answers (Qwen2.5-0.5B, 4k ruler).
-                self.center = vec![0.0; d];
-                self.gain = vec![1.0; d];
-            }
+        // Int8 rows go as they are: whitening them selected more entries
+        // for no better answers (Qwen2.5-0.5B, 4k ruler).
+        if self.gain.is_empty() && matches!(self.codes, Codes::Int4(_)) {
+            let n = rows.len() / d;
+            let skip = if sinks < n { sinks } else { 0 };
+            self.calibrate(&rows[skip * d..]);
         }
         for k in rows.chunks_exact(d) {
-            for (((r, &x), &c), &g) in self.row.iter_mut().zip(k).zip(&self.center).zip(&self.gain)
-            {
-                *r = (x.to_f32() - c) / g;
+            if self.gain.is_empty() {
+                for (r, &x) in self.row.iter_mut().zip(k) {
+                    *r = x.to_f32();
+                }
+            } else {
+                for (((r, &x), &c), &g) in
+                    self.row.iter_mut().zip(k).zip(&self.center).zip(&self.gain)
+                {
+                    *r = (x.to_f32() - c) / g;
+                }
             }
             match &mut self.codes {
                 Codes::Int8(c) => c.push(&self.row),
@@ -160,20 +164,20 @@ impl KeyCopy {
         }
     }
 
-    /// Estimated `max_h (q_h·k_j - offset_h)` for rows `start..end`
-    /// (`start` on a tile boundary) into `out`; `q` holds the group's
-    /// scaled queries, `qw` and `ow` are scratch.
-    fn scores(
+    /// The queries and offsets the codes are scored with: `q` and
+    /// `offset` with the whitening folded in (into `qw`, `ow`), or as they
+    /// are when there is none.
+    fn fold<'a>(
         &self,
-        cpu: &CpuBackend,
-        q: &[f32],
-        offset: &[f32],
-        (qw, ow): (&mut Vec<f32>, &mut Vec<f32>),
-        rows: std::ops::Range<usize>,
-        out: &mut [f32],
-    ) -> Result<()> {
+        q: &'a [f32],
+        offset: &'a [f32],
+        qw: &'a mut Vec<f32>,
+        ow: &'a mut Vec<f32>,
+    ) -> (&'a [f32], &'a [f32]) {
+        if self.gain.is_empty() {
+            return (q, offset);
+        }
         let d = self.row.len();
-        // Fold the whitening into the queries and offsets.
         qw.clear();
         ow.clear();
         for (qh, &o) in q.chunks_exact(d).zip(offset) {
@@ -181,14 +185,28 @@ impl KeyCopy {
             let shift: f32 = qh.iter().zip(&self.center).map(|(&x, &c)| x * c).sum();
             ow.push(o - shift);
         }
+        (qw, ow)
+    }
+
+    /// Estimated `max_h (q_h·k_j - offset_h)` for rows `rows` (starting on
+    /// a tile boundary) into `out`, with `q` and `offset` from [`Self::fold`].
+    fn scores(
+        &self,
+        cpu: &CpuBackend,
+        q: &[f32],
+        offset: &[f32],
+        rows: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let d = self.row.len();
         match &self.codes {
             Codes::Int8(k) => {
                 let (codes, scales) = k.rows(rows);
-                cpu.int8_max_scores(qw, ow, d, codes, scales, out)
+                cpu.int8_max_scores(q, offset, d, codes, scales, out)
             }
             Codes::Int4(k) => {
                 let (codes, scales) = k.rows(rows);
-                cpu.int4_max_scores(qw, ow, d, codes, scales, out)
+                cpu.int4_max_scores(q, offset, d, codes, scales, out)
             }
         }
     }
@@ -393,6 +411,7 @@ fn estimate<T: KvElem>(
     // entries of a dropped block may be estimated too, which only adds).
     s.q.clear();
     s.q.extend(h.q.iter().map(|&x| x * h.scale));
+    let (q, offset) = h.keys.fold(&s.q, h.lse_ref, &mut s.qw, &mut s.ow);
     s.est.clear();
     s.est.resize(n, f32::NEG_INFINITY);
     let mut estimated_entries = 0;
@@ -408,26 +427,20 @@ fn estimate<T: KvElem>(
         }
         let start = (b * bt) / INT8_TILE * INT8_TILE;
         let end = (e * bt).min(n);
-        h.keys.scores(
-            cpu,
-            &s.q,
-            h.lse_ref,
-            (&mut s.qw, &mut s.ow),
-            start..end,
-            &mut s.est[start..end],
-        )?;
+        h.keys
+            .scores(cpu, q, offset, start..end, &mut s.est[start..end])?;
         estimated_entries += end - start;
         b = e;
     }
-    // A row's codes are within half its scale of the whitened key, an
-    // error uniform over that interval: the estimate's is then of standard
-    // deviation `scale |q'|_2 / sqrt(12)` (q' the whitened query), the
-    // largest over the group.
-    let qn =
-        s.qw.chunks_exact(d)
+    s.margin = if matches!(h.keys.codes, Codes::Int4(_)) {
+        // A row's codes are within half its scale of the whitened key, an
+        // error uniform over that interval: the estimate's is then of
+        // standard deviation `scale |q'|_2 / sqrt(12)` (q' the whitened
+        // query), the largest over the group.
+        let qn = q
+            .chunks_exact(d)
             .map(|q| q.iter().map(|x| x * x).sum::<f32>().sqrt())
             .fold(0.0f32, f32::max);
-    s.margin = if matches!(h.keys.codes, Codes::Int4(_)) {
         MARGIN_SIGMAS * qn / 12f32.sqrt()
     } else {
         // Int8 rounding is 18 times finer: no margin (with one, more
