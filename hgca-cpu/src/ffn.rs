@@ -9,7 +9,8 @@
 //! a fixed order, so a call's result does not depend on scheduling.
 
 use hgca_kernels::{
-    Error, FfnAct, FfnWeights, Neurons, Result, WeightElem, bf16, check_len_of, check_neurons, f16,
+    DenseFfnBackend, Error, FfnAct, FfnOwned, FfnWeights, Neurons, Result, WeightElem, bf16,
+    check_len_of, check_neurons, f16,
 };
 
 use pulp::Simd;
@@ -271,6 +272,7 @@ impl CpuBackend {
         check_len_of("x", &[n, d], x.len())?;
         check_len_of("out", &[n, d], out.len())?;
         let (list, threshold) = match neurons {
+            Neurons::All => (None, None),
             Neurons::List(l) => {
                 check_neurons(l, w.n_ff)?;
                 (Some(l), None)
@@ -330,5 +332,29 @@ impl CpuBackend {
             total.rows += st.rows;
         }
         Ok(total)
+    }
+}
+
+/// The CPU standing in for the dense side of a hybrid FFN: the resident
+/// weights are an owned copy and a call is [`CpuBackend::sparse_ffn`] over
+/// every neuron.
+impl DenseFfnBackend for CpuBackend {
+    type Resident = FfnOwned<f16>;
+
+    fn upload_ffn(&self, w: &FfnWeights<'_, f16>) -> Result<Self::Resident> {
+        let all: Vec<u32> = (0..w.n_ff as u32).collect();
+        FfnOwned::gather(w, &all)
+    }
+
+    fn dense_ffn(
+        &self,
+        act: FfnAct,
+        w: &Self::Resident,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.sparse_ffn(act, &w.view(), x, n, Neurons::All, out)
+            .map(|_| ())
     }
 }

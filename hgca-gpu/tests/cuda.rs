@@ -14,8 +14,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use hgca_gpu::cuda::{
-    ATTENTION_KERNELS, CudaBackend, DECODE_KERNEL, KernelSpec, MERGE_CU, MERGE_KERNELS,
-    compile_ptx, nvrtc_available,
+    ATTENTION_KERNELS, CudaBackend, DECODE_KERNEL, FFN_CU, FFN_KERNELS, KernelSpec, MERGE_CU,
+    MERGE_KERNELS, compile_ptx, nvrtc_available,
 };
 use hgca_kernels::{AttnShape, DType, Error, report};
 use hgca_testkit::conformance::check_dense;
@@ -133,6 +133,7 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
         })
         .collect();
     units.push(("merge".into(), MERGE_CU.to_string(), &MERGE_KERNELS[..]));
+    units.push(("ffn".into(), FFN_CU.to_string(), &FFN_KERNELS[..]));
     println!(
         "{:<6} {:<16} {:<22} {:>5} {:>6} {:>7} {:>7}",
         "arch", "spec", "kernel", "regs", "stack", "spill_st", "spill_ld"

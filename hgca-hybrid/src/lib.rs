@@ -11,6 +11,7 @@
 
 mod batch;
 mod config;
+mod ffn;
 mod full;
 mod layer;
 mod mass;
@@ -22,6 +23,7 @@ mod stats;
 
 pub use batch::{HybridBatch, SeqId};
 pub use config::{HybridConfig, KeyCodes, Recovery};
+pub use ffn::{HybridFfn, HybridFfnStats};
 pub use full::FullAttention;
 pub use layer::HybridAttention;
 pub use sliding::SlidingAttention;

@@ -283,6 +283,62 @@ pub fn plan(r: &PlanRequest) -> Result<Plan> {
     })
 }
 
+/// The hot neurons of every layer of a hybrid FFN that a GPU budget holds
+/// (PowerInfer's placement, greedy): neurons are taken across all layers
+/// in decreasing order of their activation frequency (`freq[layer][neuron]`,
+/// e.g. the share of calibration tokens on which a neuron passed the
+/// threshold), each costing `neuron_bytes` (its gate, up and down rows on
+/// the device), until the next would not fit `gpu_budget`. Ties go to the
+/// lower layer, then the lower neuron. Returns each layer's hot list,
+/// ascending; a layer may get none.
+///
+/// ```
+/// use hgca_hybrid::planner::plan_hot_neurons;
+/// // Two layers of three neurons, 100 bytes a neuron, room for three.
+/// let freq = vec![vec![0.9, 0.1, 0.5], vec![0.2, 0.95, 0.4]];
+/// let hot = plan_hot_neurons(&freq, 100, 350)?;
+/// assert_eq!(hot, vec![vec![0, 2], vec![1]]);
+/// # Ok::<(), hgca_kernels::Error>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Zero`] for `neuron_bytes` 0; [`Error::Param`] for a frequency
+/// that is NaN.
+pub fn plan_hot_neurons(
+    freq: &[Vec<f32>],
+    neuron_bytes: u64,
+    gpu_budget: u64,
+) -> Result<Vec<Vec<u32>>> {
+    if neuron_bytes == 0 {
+        return Err(Error::Zero {
+            what: "neuron_bytes",
+        });
+    }
+    let mut all = Vec::with_capacity(freq.iter().map(Vec::len).sum());
+    for (l, f) in freq.iter().enumerate() {
+        for (i, &v) in f.iter().enumerate() {
+            if v.is_nan() {
+                return Err(Error::Param {
+                    what: "neuron frequency",
+                    value: f64::NAN,
+                    expected: "a number",
+                });
+            }
+            all.push((v, l, i as u32));
+        }
+    }
+    all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let take = usize::try_from(gpu_budget / neuron_bytes).unwrap_or(usize::MAX);
+    let mut hot = vec![Vec::new(); freq.len()];
+    for &(_, l, i) in all.iter().take(take) {
+        hot[l].push(i);
+    }
+    for h in &mut hot {
+        h.sort_unstable();
+    }
+    Ok(hot)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

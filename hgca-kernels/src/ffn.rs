@@ -37,6 +37,8 @@ impl FfnAct {
 pub enum Neurons<'a> {
     /// These neurons (each `< n_ff`, distinct), for every token.
     List(&'a [u32]),
+    /// Every neuron (the dense FFN; the dense side of a hybrid split).
+    All,
     /// Per token, the neurons whose activation passes `|act(g_i)| > t`
     /// (CATS: the gate rows are read for every neuron, the up and down rows
     /// only for those that pass). `t` must be finite and `>= 0`.
@@ -265,4 +267,178 @@ pub fn check_neurons(list: &[u32], n_ff: usize) -> Result<()> {
         *s = true;
     }
     Ok(())
+}
+
+/// A layer's neurons split in two (PowerInfer): the **hot** ones, computed
+/// densely on the dense side (GPU), and the **cold** rest, computed
+/// sparsely on the CPU. Both lists are ascending; together they are every
+/// neuron once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FfnSplit {
+    n_ff: usize,
+    hot: Vec<u32>,
+    cold: Vec<u32>,
+}
+
+impl FfnSplit {
+    /// The split whose hot set is `hot` (any order) and cold set the rest.
+    ///
+    /// # Errors
+    /// As [`check_neurons`]: an index `>= n_ff` or a repeat.
+    ///
+    /// ```
+    /// let s = hgca_kernels::FfnSplit::new(6, &[4, 1])?;
+    /// assert_eq!(s.hot(), &[1, 4]);
+    /// assert_eq!(s.cold(), &[0, 2, 3, 5]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    pub fn new(n_ff: usize, hot: &[u32]) -> Result<Self> {
+        check_neurons(hot, n_ff)?;
+        let mut is_hot = vec![false; n_ff];
+        for &i in hot {
+            is_hot[i as usize] = true;
+        }
+        let (mut h, mut c) = (Vec::with_capacity(hot.len()), Vec::new());
+        for (i, &x) in is_hot.iter().enumerate() {
+            if x { &mut h } else { &mut c }.push(i as u32);
+        }
+        Ok(Self {
+            n_ff,
+            hot: h,
+            cold: c,
+        })
+    }
+
+    /// Neurons in all.
+    pub fn n_ff(&self) -> usize {
+        self.n_ff
+    }
+
+    /// The hot neurons, ascending.
+    pub fn hot(&self) -> &[u32] {
+        &self.hot
+    }
+
+    /// The cold neurons, ascending.
+    pub fn cold(&self) -> &[u32] {
+        &self.cold
+    }
+}
+
+/// Owned neuron-major FFN weights: a subset of a layer's neurons, their
+/// rows gathered into matrices of their own (so each side of a split reads
+/// contiguous rows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FfnOwned<W> {
+    d_model: usize,
+    gate: Vec<W>,
+    up: Vec<W>,
+    down_t: Vec<W>,
+}
+
+impl<W: WeightElem> FfnOwned<W> {
+    /// The rows of `neurons` (in that order) of `w`: neuron `j` of the
+    /// result is neuron `neurons[j]` of `w`.
+    ///
+    /// # Errors
+    /// As [`check_neurons`].
+    pub fn gather(w: &FfnWeights<'_, W>, neurons: &[u32]) -> Result<Self> {
+        check_neurons(neurons, w.n_ff)?;
+        let row = w.row_len();
+        let take = |m: &[W]| {
+            let mut v = Vec::with_capacity(neurons.len() * row);
+            for &i in neurons {
+                v.extend_from_slice(&m[i as usize * row..(i as usize + 1) * row]);
+            }
+            v
+        };
+        Ok(Self {
+            d_model: w.d_model,
+            gate: take(w.gate),
+            up: take(w.up),
+            down_t: take(w.down_t),
+        })
+    }
+
+    /// The weights as a view.
+    pub fn view(&self) -> FfnWeights<'_, W> {
+        let row = self.d_model / W::VALUES;
+        FfnWeights {
+            d_model: self.d_model,
+            n_ff: self.gate.len().checked_div(row).unwrap_or(0),
+            gate: &self.gate,
+            up: &self.up,
+            down_t: &self.down_t,
+        }
+    }
+
+    /// Neurons held.
+    pub fn n_ff(&self) -> usize {
+        self.view().n_ff
+    }
+
+    /// Bytes of the three matrices.
+    pub fn bytes(&self) -> usize {
+        3 * self.gate.len() * core::mem::size_of::<W>()
+    }
+}
+
+/// The dense side of a hybrid FFN (PowerInfer's GPU part): every neuron of
+/// weights it holds, computed for a chunk of tokens. Weights are uploaded
+/// once ([`DenseFfnBackend::upload_ffn`]) in f16 and stay resident; a call
+/// moves only the tokens and the output.
+pub trait DenseFfnBackend: Send + Sync {
+    /// Weights as the backend holds them.
+    type Resident: Send + Sync;
+
+    /// Makes `w` resident.
+    ///
+    /// # Errors
+    /// Device errors (out of memory, a binding larger than the device
+    /// allows).
+    fn upload_ffn(&self, w: &FfnWeights<'_, f16>) -> Result<Self::Resident>;
+
+    /// `out = Σ_i act(gate_i·x) (up_i·x) down_t_i` over every neuron of
+    /// `w`, for the `n` tokens `x` (`[n, d_model]`; `out` the same).
+    /// With no neuron it writes zeros.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for `x` or `out` of another length; device errors.
+    fn dense_ffn(
+        &self,
+        act: FfnAct,
+        w: &Self::Resident,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()>;
+
+    /// Whether a call runs off the CPU's cores (a device), so the CPU side
+    /// of a split can run at the same time; `false` for the CPU fallback.
+    fn runs_beside_cpu(&self) -> bool {
+        false
+    }
+}
+
+impl<T: DenseFfnBackend + ?Sized> DenseFfnBackend for &T {
+    type Resident = T::Resident;
+
+    fn upload_ffn(&self, w: &FfnWeights<'_, f16>) -> Result<Self::Resident> {
+        (**self).upload_ffn(w)
+    }
+
+    fn dense_ffn(
+        &self,
+        act: FfnAct,
+        w: &Self::Resident,
+        x: &[f32],
+        n: usize,
+        out: &mut [f32],
+    ) -> Result<()> {
+        (**self).dense_ffn(act, w, x, n, out)
+    }
+
+    fn runs_beside_cpu(&self) -> bool {
+        (**self).runs_beside_cpu()
+    }
 }

@@ -45,7 +45,10 @@ pub use backend::{
 };
 pub use dtype::{DType, KvElem};
 pub use error::{Cause, Error, Result, check_len, check_len_of, report, weights_not_requested};
-pub use ffn::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, check_neurons};
+pub use ffn::{
+    BlockQ4_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons,
+    WeightElem, check_neurons,
+};
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};
 pub use lse::{LseBase, LseFormat, LseLayout, merge_states, merge_states_into};

@@ -2,7 +2,9 @@
 //! backend's kernel: random weights in any row format, tokens, and the
 //! comparison of an output with the reference over the same active sets.
 
-use hgca_kernels::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Result, WeightElem, bf16, f16};
+use hgca_kernels::{
+    BlockQ4_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnWeights, Result, WeightElem, bf16, f16,
+};
 
 use crate::{Rng, within};
 
@@ -160,4 +162,67 @@ impl<W: TestWeight> FfnProblem<W> {
         }
         Ok(())
     }
+}
+
+/// Shapes for the dense side of a hybrid FFN: `(d_model, n_ff, tokens)`,
+/// no neuron at all, one, widths around vector lanes and workgroup sizes,
+/// a prompt chunk.
+pub const DENSE_FFN_EDGE: &[(usize, usize, usize)] = &[
+    (8, 0, 1),
+    (2, 1, 1),
+    (16, 1, 3),
+    (30, 7, 2),
+    (64, 33, 1),
+    (64, 65, 5),
+    (130, 129, 2),
+    (256, 300, 1),
+    (576, 96, 4),
+];
+
+/// Checks a [`DenseFfnBackend`] on one random problem: random f16 weights
+/// made resident, `n` tokens, every neuron against the reference.
+///
+/// # Errors
+/// The backend's error, or the first element out of tolerance.
+pub fn check_dense_ffn<B: DenseFfnBackend>(
+    b: &B,
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    seed: u64,
+) -> std::result::Result<(), String> {
+    let p = FfnProblem::<f16>::random(d, n_ff, n, seed);
+    let w = p.weights().map_err(|e| e.to_string())?;
+    let r = b.upload_ffn(&w).map_err(|e| hgca_kernels::report(&e))?;
+    let mut out = vec![f32::NAN; n * d];
+    b.dense_ffn(act, &r, &p.x, n, &mut out)
+        .map_err(|e| hgca_kernels::report(&e))?;
+    let all: Vec<usize> = (0..n_ff).collect();
+    p.check(act, &vec![all; n], &out)
+        .map_err(|e| format!("dense FFN d {d} n_ff {n_ff} n {n} {act:?}: {e}"))
+}
+
+/// A dense side's bad input gives typed errors: `x` and `out` of the wrong
+/// length.
+///
+/// # Errors
+/// A message when a call succeeds or fails with another error.
+pub fn check_dense_ffn_errors<B: DenseFfnBackend>(b: &B) -> std::result::Result<(), String> {
+    let p = FfnProblem::<f16>::random(16, 4, 2, 1);
+    let w = p.weights().map_err(|e| e.to_string())?;
+    let r = b.upload_ffn(&w).map_err(|e| e.to_string())?;
+    let mut out = [0.0f32; 2 * 16 + 1];
+    for (x_len, out_len) in [(31, 32), (32, 33), (0, 32), (32, 31)] {
+        let x = vec![0.0f32; x_len];
+        match b.dense_ffn(FfnAct::Silu, &r, &x, 2, &mut out[..out_len]) {
+            Err(hgca_kernels::Error::Length { .. }) => {}
+            other => {
+                return Err(format!(
+                    "x of {x_len} and out of {out_len}: {other:?}, want a length error"
+                ));
+            }
+        }
+    }
+    Ok(())
 }

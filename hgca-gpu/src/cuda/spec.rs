@@ -12,6 +12,12 @@ pub const ATTENTION_CU: &str = include_str!("attention.cu");
 /// The CUDA C source of the merge kernel and the copy yardstick.
 pub const MERGE_CU: &str = include_str!("merge.cu");
 
+/// The CUDA C source of the dense FFN kernels (a hybrid FFN's hot
+/// neurons; f16 weights).
+pub const FFN_CU: &str = include_str!("ffn.cu");
+/// Entry points of [`FFN_CU`].
+pub const FFN_KERNELS: [&str; 2] = ["hgca_ffn_gate_up", "hgca_ffn_down"];
+
 /// The split-K decode kernel, the one that must never spill.
 pub const DECODE_KERNEL: &str = "hgca_decode_split";
 /// The kernel that merges the decode's splits.

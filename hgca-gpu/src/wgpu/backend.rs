@@ -23,6 +23,14 @@ const WEIGHTS_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/weights.wgsl")
 );
+const FFN_UP_SRC: &str = concat!(
+    include_str!("shaders/common.wgsl"),
+    include_str!("shaders/ffn_up.wgsl")
+);
+const FFN_DOWN_SRC: &str = concat!(
+    include_str!("shaders/common.wgsl"),
+    include_str!("shaders/ffn_down.wgsl")
+);
 const MERGE_SRC: &str = concat!(
     include_str!("shaders/common.wgsl"),
     include_str!("shaders/merge.wgsl")
@@ -73,6 +81,9 @@ pub(super) struct Pipelines {
     pub(super) attn: [wgpu::ComputePipeline; 3],
     pub(super) weights: wgpu::ComputePipeline,
     pub(super) merge: wgpu::ComputePipeline,
+    /// The dense FFN's two passes.
+    pub(super) ffn_up: wgpu::ComputePipeline,
+    pub(super) ffn_down: wgpu::ComputePipeline,
 }
 
 /// Idle device buffers, reused by size class (powers of two) and usage.
@@ -231,6 +242,8 @@ impl WgpuBackend {
         let attn = module("hgca attn", ATTN_SRC);
         let weights = module("hgca weights", WEIGHTS_SRC);
         let merge = module("hgca merge", MERGE_SRC);
+        let ffn_up = module("hgca ffn up", FFN_UP_SRC);
+        let ffn_down = module("hgca ffn down", FFN_DOWN_SRC);
         let pipeline = |m: &wgpu::ShaderModule, entry: &str, constants: &[(&str, f64)]| {
             device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
                 label: Some(entry),
@@ -252,6 +265,8 @@ impl WgpuBackend {
             ],
             weights: pipeline(&weights, "attn_weights", &[]),
             merge: pipeline(&merge, "merge_rows", &[]),
+            ffn_up: pipeline(&ffn_up, "ffn_gate_up", &[]),
+            ffn_down: pipeline(&ffn_down, "ffn_down", &[]),
         };
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(wgpu_err("building the pipelines")(e));

@@ -39,6 +39,12 @@
 //!   `(0, -inf)` for all-empty rows, NaN propagates), decided on the bits of
 //!   the values, because WGSL lets a compiler assume there is no NaN or
 //!   infinity. The split-K combine uses the same kernel.
+//! - Dense FFN ([`hgca_kernels::DenseFfnBackend`], the hot neurons of a
+//!   hybrid FFN): f16 weights resident as 32-bit words ([`WgpuFfn`]); one
+//!   pass writes `act(gate·x) (up·x)` per (token, neuron), one workgroup
+//!   each, and a second the down projection, one invocation per token and
+//!   pair of output columns. A call uploads the tokens and reads back the
+//!   output. Not tuned: each token reads the weight rows again.
 //! - Special values in attention: a NaN or infinite score (NaN or inf in `q`
 //!   or `K`) makes that row's `out` and `lse` NaN rather than being hidden by
 //!   a `max`; NaN in `V` reaches `out` through the arithmetic.
@@ -66,6 +72,8 @@ mod attention;
 #[cfg(feature = "wgpu")]
 mod backend;
 #[cfg(feature = "wgpu")]
+mod ffn;
+#[cfg(feature = "wgpu")]
 mod merge;
 #[cfg(feature = "wgpu")]
 mod window;
@@ -73,6 +81,8 @@ mod window;
 pub use attention::WgpuPending;
 #[cfg(feature = "wgpu")]
 pub use backend::WgpuBackend;
+#[cfg(feature = "wgpu")]
+pub use ffn::WgpuFfn;
 #[cfg(feature = "wgpu")]
 pub use window::WgpuWindow;
 

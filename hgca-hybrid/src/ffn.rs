@@ -1,0 +1,199 @@
+//! The hybrid FFN (PowerInfer's split on hgca's machinery): a layer's hot
+//! neurons computed densely on the dense side (a [`DenseFfnBackend`]: the
+//! GPU, or the CPU standing in), its cold neurons sparsely on the CPU
+//! (every one, or those whose gate activation passes a threshold: CATS),
+//! and the two partial outputs summed. With threshold 0 the sum is the
+//! dense FFN up to float rounding, whatever the split.
+//!
+//! ```
+//! use hgca_hybrid::HybridFfn;
+//! use hgca_kernels::{f16, FfnAct, FfnWeights};
+//! let (d, n_ff) = (8, 6);
+//! let w: Vec<f16> = (0..n_ff * d).map(|i| f16::from_f32((i % 7) as f32 * 0.1 - 0.3)).collect();
+//! let weights = FfnWeights::new(d, n_ff, &w, &w, &w)?;
+//! let cpu = hgca_cpu::CpuBackend::new();
+//! // Neurons 0 and 3 are hot; the four others run on the CPU.
+//! let ffn = HybridFfn::new(cpu.clone(), cpu, FfnAct::Silu, &weights, &[0, 3], 0.0)?;
+//! let x = vec![0.5f32; d];
+//! let mut y = vec![0.0f32; d];
+//! let st = ffn.forward(&x, 1, &mut y)?;
+//! assert_eq!((st.hot, st.cold.active), (2, 4));
+//! # Ok::<(), hgca_kernels::Error>(())
+//! ```
+
+use std::time::{Duration, Instant};
+
+use hgca_cpu::{CpuBackend, FfnStats};
+use hgca_kernels::{
+    DenseFfnBackend, Error, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons, Result, check_len_of,
+    f16,
+};
+
+/// What one [`HybridFfn::forward`] call computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HybridFfnStats {
+    /// (token, neuron) pairs the dense side computed.
+    pub hot: usize,
+    /// The CPU side's (cold neurons') count: pairs computed and rows read.
+    pub cold: FfnStats,
+    /// Bytes of cold weight rows the CPU read, counted token by token as
+    /// [`FfnStats::rows`] is.
+    pub cold_bytes: u64,
+    /// Wall time of the dense side's call.
+    pub dense_time: Duration,
+    /// Wall time of the CPU side's call.
+    pub cpu_time: Duration,
+}
+
+/// One layer's FFN split between a dense side and the CPU.
+#[derive(Debug)]
+pub struct HybridFfn<D: DenseFfnBackend> {
+    dense: D,
+    hot: D::Resident,
+    cold: FfnOwned<f16>,
+    split: FfnSplit,
+    cpu: CpuBackend,
+    act: FfnAct,
+    threshold: f32,
+    d_model: usize,
+}
+
+impl<D: DenseFfnBackend> HybridFfn<D> {
+    /// Splits `w` (neuron-major f16): the neurons `hot` are made resident
+    /// on `dense`, the rest are gathered into the CPU's own matrices and
+    /// computed by `cpu` with `threshold` on `|act(gate·x)|` (0: every cold
+    /// neuron whose activation is not exactly 0, which is the dense FFN's
+    /// sum).
+    ///
+    /// # Errors
+    /// [`Error::Index`] or [`Error::Param`] for a bad hot list (out of
+    /// range, a repeat); [`Error::Param`] for a threshold that is not
+    /// finite and `>= 0`; the dense side's upload errors.
+    pub fn new(
+        dense: D,
+        cpu: CpuBackend,
+        act: FfnAct,
+        w: &FfnWeights<'_, f16>,
+        hot: &[u32],
+        threshold: f32,
+    ) -> Result<Self> {
+        check_threshold(threshold)?;
+        let split = FfnSplit::new(w.n_ff, hot)?;
+        let hot_w = FfnOwned::gather(w, split.hot())?;
+        let resident = dense.upload_ffn(&hot_w.view())?;
+        let cold = FfnOwned::gather(w, split.cold())?;
+        Ok(Self {
+            dense,
+            hot: resident,
+            cold,
+            split,
+            cpu,
+            act,
+            threshold,
+            d_model: w.d_model,
+        })
+    }
+
+    /// The split (which neurons are hot).
+    pub fn split(&self) -> &FfnSplit {
+        &self.split
+    }
+
+    /// The cold side's threshold.
+    pub fn threshold(&self) -> f32 {
+        self.threshold
+    }
+
+    /// Sets the cold side's threshold.
+    ///
+    /// # Errors
+    /// [`Error::Param`] unless finite and `>= 0`.
+    pub fn set_threshold(&mut self, t: f32) -> Result<()> {
+        check_threshold(t)?;
+        self.threshold = t;
+        Ok(())
+    }
+
+    /// Bytes of the cold weights the CPU holds.
+    pub fn cold_bytes(&self) -> usize {
+        self.cold.bytes()
+    }
+
+    /// `out` = the FFN of the `n` tokens `x` (`[n, d_model]` each): the
+    /// hot neurons' sum from the dense side plus the cold neurons' from the
+    /// CPU. When the dense side runs off the CPU
+    /// ([`DenseFfnBackend::runs_beside_cpu`]) the two sides run at once.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for `x` or `out` of another length; either side's
+    /// errors.
+    pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<HybridFfnStats> {
+        let d = self.d_model;
+        check_len_of("x", &[n, d], x.len())?;
+        check_len_of("out", &[n, d], out.len())?;
+        let mut hot_out = vec![0.0f32; n * d];
+        let n_hot = self.split.hot().len();
+        let dense = |o: &mut [f32]| -> Result<Duration> {
+            let t = Instant::now();
+            if n_hot > 0 {
+                self.dense.dense_ffn(self.act, &self.hot, x, n, o)?;
+            }
+            Ok(t.elapsed())
+        };
+        let cold = |o: &mut [f32]| -> Result<(FfnStats, Duration)> {
+            let t = Instant::now();
+            let st = if self.split.cold().is_empty() {
+                o.fill(0.0);
+                FfnStats::default()
+            } else {
+                let nb = if self.threshold > 0.0 {
+                    Neurons::Threshold(self.threshold)
+                } else {
+                    Neurons::All
+                };
+                self.cpu
+                    .sparse_ffn(self.act, &self.cold.view(), x, n, nb, o)?
+            };
+            Ok((st, t.elapsed()))
+        };
+        let (dense_time, (st, cpu_time)) = if self.dense.runs_beside_cpu() {
+            let (a, b) = std::thread::scope(|sc| {
+                let h = sc.spawn(|| dense(&mut hot_out));
+                let b = cold(out);
+                (h.join(), b)
+            });
+            let a = a.map_err(|_| Error::Backend {
+                backend: "dense FFN",
+                message: "the dense side's thread panicked".into(),
+                source: None,
+            })?;
+            (a?, b?)
+        } else {
+            let a = dense(&mut hot_out)?;
+            (a, cold(out)?)
+        };
+        for (o, h) in out.iter_mut().zip(&hot_out) {
+            *o += h;
+        }
+        let row_bytes = (d * core::mem::size_of::<f16>()) as u64;
+        Ok(HybridFfnStats {
+            hot: n_hot * n,
+            cold: st,
+            cold_bytes: st.rows as u64 * row_bytes,
+            dense_time,
+            cpu_time,
+        })
+    }
+}
+
+fn check_threshold(t: f32) -> Result<()> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::Param {
+            what: "ffn threshold",
+            value: f64::from(t),
+            expected: "finite and >= 0",
+        })
+    }
+}

@@ -1,0 +1,214 @@
+//! The hybrid FFN (hot neurons on the dense side, cold on the CPU) against
+//! hgca-ref: the CPU standing in for the dense side over the edge table;
+//! proptest over shapes, splits and thresholds (the reference sums the hot
+//! neurons and the cold ones whose activation passes); every split with
+//! threshold 0 is the dense FFN; the planner's hot sets; typed errors.
+
+use hgca_cpu::CpuBackend;
+use hgca_hybrid::HybridFfn;
+use hgca_hybrid::planner::plan_hot_neurons;
+use hgca_kernels::{Error, FfnAct, f16};
+use hgca_testkit::Rng;
+use hgca_testkit::ffn::{DENSE_FFN_EDGE, FfnProblem, check_dense_ffn, check_dense_ffn_errors};
+use proptest::prelude::*;
+
+fn cpu() -> CpuBackend {
+    CpuBackend::new()
+}
+
+#[test]
+fn cpu_dense_side_matches_the_reference_on_the_edge_table() {
+    let b = cpu();
+    for (k, &(d, n_ff, n)) in DENSE_FFN_EDGE.iter().enumerate() {
+        for act in [FfnAct::Silu, FfnAct::Relu] {
+            check_dense_ffn(&b, act, d, n_ff, n, 100 + k as u64).unwrap();
+        }
+    }
+    check_dense_ffn_errors(&b).unwrap();
+}
+
+/// The hot list: about `share` of the neurons, in random order.
+fn random_hot(rng: &mut Rng, n_ff: usize, share: f64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n_ff as u32)
+        .filter(|_| (rng.next_u64() % 1000) as f64 / 1000.0 < share)
+        .collect();
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.below(i + 1));
+    }
+    v
+}
+
+/// A threshold in the widest gap of the middle half of the cold neurons'
+/// `|act|` (so f32 and f64 agree on every comparison), or 0.
+fn gap_threshold(acts: &[Vec<f64>], cold: &[usize]) -> f64 {
+    let mut all: Vec<f64> = acts
+        .iter()
+        .flat_map(|a| cold.iter().map(|&i| a[i].abs()))
+        .collect();
+    if all.len() < 4 {
+        return 0.0;
+    }
+    all.sort_by(f64::total_cmp);
+    let (lo, hi) = (all.len() / 4, 3 * all.len() / 4);
+    let (mut best, mut t) = (-1.0, 0.0);
+    for k in lo..hi {
+        let gap = all[k + 1] - all[k];
+        if gap > best {
+            (best, t) = (gap, (all[k] + all[k + 1]) / 2.0);
+        }
+    }
+    t
+}
+
+/// One hybrid case: returns an error message on a mismatch.
+fn hybrid_case(
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    share: f64,
+    use_threshold: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let p = FfnProblem::<f16>::random(d, n_ff, n, seed);
+    let w = p.weights().map_err(|e| e.to_string())?;
+    let mut rng = Rng::new(seed ^ 0x5eed);
+    let hot = random_hot(&mut rng, n_ff, share);
+    let is_hot: Vec<bool> = (0..n_ff).map(|i| hot.contains(&(i as u32))).collect();
+    let cold: Vec<usize> = (0..n_ff).filter(|&i| !is_hot[i]).collect();
+    let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(act, t)).collect();
+    let t = if use_threshold {
+        gap_threshold(&acts, &cold)
+    } else {
+        0.0
+    };
+    let ffn = HybridFfn::new(cpu(), cpu(), act, &w, &hot, t as f32).map_err(|e| e.to_string())?;
+    let mut out = vec![f32::NAN; n * d];
+    let st = ffn.forward(&p.x, n, &mut out).map_err(|e| e.to_string())?;
+    // The reference's sets: every hot neuron, and the cold ones that pass
+    // (with threshold 0, every cold neuron: one whose activation is
+    // exactly 0 adds nothing either way).
+    let sets: Vec<Vec<usize>> = acts
+        .iter()
+        .map(|a| {
+            (0..n_ff)
+                .filter(|&i| is_hot[i] || t == 0.0 || a[i].abs() > t)
+                .collect()
+        })
+        .collect();
+    if st.hot != hot.len() * n {
+        return Err(format!("{} hot pairs, want {}", st.hot, hot.len() * n));
+    }
+    if use_threshold && t > 0.0 {
+        let passing: usize = sets.iter().map(Vec::len).sum::<usize>() - hot.len() * n;
+        if st.cold.active != passing {
+            return Err(format!("{} cold pairs, want {passing}", st.cold.active));
+        }
+        let rows = n * cold.len() + 2 * passing;
+        if st.cold.rows != rows || st.cold_bytes != (rows * d * 2) as u64 {
+            return Err(format!(
+                "{} cold rows ({} bytes), want {rows}",
+                st.cold.rows, st.cold_bytes
+            ));
+        }
+    }
+    p.check(act, &sets, &out)
+        .map_err(|e| format!("hot {} of {n_ff}, threshold {t}: {e}", hot.len()))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn hybrid_is_the_reference_over_hot_and_passing_cold(
+        d in 1usize..80,
+        n_ff in 1usize..90,
+        n in 1usize..4,
+        share in 0.0f64..1.0,
+        thr in any::<bool>(),
+        relu in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let act = if relu { FfnAct::Relu } else { FfnAct::Silu };
+        hybrid_case(act, d, n_ff, n, share, thr, seed).map_err(TestCaseError::fail)?;
+    }
+}
+
+#[test]
+fn every_split_with_threshold_zero_is_the_dense_ffn() {
+    for (k, &(d, n_ff, n)) in DENSE_FFN_EDGE.iter().enumerate() {
+        for share in [0.0, 0.3, 1.0] {
+            hybrid_case(FfnAct::Silu, d, n_ff, n, share, false, 7 + k as u64).unwrap();
+        }
+        hybrid_case(FfnAct::Relu, d, n_ff, n, 0.5, true, 11 + k as u64).unwrap();
+    }
+}
+
+#[test]
+fn bad_input_is_a_typed_error() {
+    let p = FfnProblem::<f16>::random(16, 8, 2, 3);
+    let w = p.weights().unwrap();
+    let new = |hot: &[u32], t: f32| HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, hot, t);
+    assert!(matches!(new(&[8], 0.0), Err(Error::Index { .. })));
+    assert!(matches!(new(&[1, 1], 0.0), Err(Error::Param { .. })));
+    for t in [f32::NAN, -1.0, f32::INFINITY] {
+        assert!(matches!(new(&[1], t), Err(Error::Param { .. })), "{t}");
+    }
+    let mut ffn = new(&[1, 5], 0.1).unwrap();
+    assert!(matches!(
+        ffn.set_threshold(f32::NAN),
+        Err(Error::Param { .. })
+    ));
+    assert_eq!(ffn.threshold(), 0.1);
+    ffn.set_threshold(0.0).unwrap();
+    assert_eq!(ffn.split().cold(), &[0, 2, 3, 4, 6, 7]);
+    let mut out = vec![0.0f32; 32];
+    assert!(matches!(
+        ffn.forward(&p.x[..31], 2, &mut out),
+        Err(Error::Length { .. })
+    ));
+    assert!(matches!(
+        ffn.forward(&p.x, 2, &mut out[..16]),
+        Err(Error::Length { .. })
+    ));
+    ffn.forward(&p.x, 2, &mut out).unwrap();
+}
+
+#[test]
+fn planner_takes_the_most_frequent_neurons_that_fit() {
+    let mut rng = Rng::new(9);
+    let freq: Vec<Vec<f32>> = (0..5)
+        .map(|_| {
+            (0..40)
+                .map(|_| (rng.next_u64() % 1000) as f32 / 1000.0)
+                .collect()
+        })
+        .collect();
+    for budget in [0u64, 99, 100, 1234, 20_000, 1 << 40] {
+        let hot = plan_hot_neurons(&freq, 100, budget).unwrap();
+        let taken: usize = hot.iter().map(Vec::len).sum();
+        assert_eq!(taken, ((budget / 100) as usize).min(200), "budget {budget}");
+        // Nothing left out is more frequent than anything taken.
+        let mut min_in = f32::INFINITY;
+        let mut max_out = f32::NEG_INFINITY;
+        for (l, f) in freq.iter().enumerate() {
+            assert!(hot[l].windows(2).all(|w| w[0] < w[1]), "ascending");
+            for (i, &v) in f.iter().enumerate() {
+                if hot[l].contains(&(i as u32)) {
+                    min_in = min_in.min(v);
+                } else {
+                    max_out = max_out.max(v);
+                }
+            }
+        }
+        assert!(min_in >= max_out, "budget {budget}: {min_in} < {max_out}");
+    }
+    assert!(matches!(
+        plan_hot_neurons(&freq, 0, 10),
+        Err(Error::Zero { .. })
+    ));
+    let bad = vec![vec![0.5, f32::NAN]];
+    assert!(matches!(
+        plan_hot_neurons(&bad, 1, 10),
+        Err(Error::Param { .. })
+    ));
+}
