@@ -8,7 +8,8 @@
 //! Weights are **neuron-major**: three `[n_ff, d_model]` matrices (`W_down`
 //! transposed once at load), so that an active neuron reads three
 //! contiguous rows. A row is stored as floats (`f32`, `f16`, `bf16`) or in
-//! GGUF's block formats ([`BlockQ8_0`], [`BlockQ4_0`]: 32 values per block),
+//! GGUF's block formats ([`BlockQ8_0`], [`BlockQ4_0`], [`BlockQ4_1`],
+//! [`BlockQ5_0`]: 32 values per block),
 //! dequantised on the fly.
 
 use crate::{Error, Result, bf16, check_len_of, f16};
@@ -180,6 +181,111 @@ impl BlockQ4_0 {
         }
         Self {
             d: f16::from_f32(d),
+            qs,
+        }
+    }
+}
+
+/// GGUF's `Q4_1` block: 32 values `d * q_i + m`, `q_i` the low nibbles of
+/// `qs` for values 0..16 and the high nibbles for 16..32.
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ4_1 {
+    /// The scale.
+    pub d: f16,
+    /// The offset (the block's minimum).
+    pub m: f16,
+    /// The codes, two per byte.
+    pub qs: [u8; 16],
+}
+
+/// GGUF's `Q5_0` block: 32 values `d * (q_i - 16)`, `q_i` five bits: the
+/// low four from the nibbles of `qs` (low nibbles values 0..16, high ones
+/// 16..32) and the fifth from bit `i` of `qh` (little-endian).
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ5_0 {
+    /// The scale.
+    pub d: f16,
+    /// The fifth bits of the 32 codes.
+    pub qh: [u8; 4],
+    /// The low four bits of the codes, two per byte.
+    pub qs: [u8; 16],
+}
+
+impl WeightElem for BlockQ4_1 {
+    const VALUES: usize = 32;
+    const NAME: &'static str = "q4_1";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let (d, m) = (self.d.to_f32(), self.m.to_f32());
+        for (i, &b) in self.qs.iter().enumerate() {
+            out[i] = d.mul_add(f32::from(b & 0x0F), m);
+            out[i + 16] = d.mul_add(f32::from(b >> 4), m);
+        }
+    }
+}
+
+impl WeightElem for BlockQ5_0 {
+    const VALUES: usize = 32;
+    const NAME: &'static str = "q5_0";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        let qh = u32::from_le_bytes(self.qh);
+        for (i, &b) in self.qs.iter().enumerate() {
+            let lo = u32::from(b & 0x0F) | (((qh >> i) & 1) << 4);
+            let hi = u32::from(b >> 4) | (((qh >> (i + 16)) & 1) << 4);
+            out[i] = d * (lo as f32 - 16.0);
+            out[i + 16] = d * (hi as f32 - 16.0);
+        }
+    }
+}
+
+impl BlockQ4_1 {
+    /// Quantises 32 values (GGUF's rule: offset the minimum, scale
+    /// `(max - min) / 15`, round to nearest).
+    pub fn quantize(x: &[f32; 32]) -> Self {
+        let (lo, hi) = x
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| {
+                (l.min(v), h.max(v))
+            });
+        let d = (hi - lo) / 15.0;
+        let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let code = |v: f32| (((v - lo) * inv + 0.5) as i32).clamp(0, 15) as u8;
+        let mut qs = [0u8; 16];
+        for (i, q) in qs.iter_mut().enumerate() {
+            *q = code(x[i]) | (code(x[i + 16]) << 4);
+        }
+        Self {
+            d: f16::from_f32(d),
+            m: f16::from_f32(lo),
+            qs,
+        }
+    }
+}
+
+impl BlockQ5_0 {
+    /// Quantises 32 values (GGUF's rule: the value of largest magnitude
+    /// maps to code 0, scale `that value / -16`).
+    pub fn quantize(x: &[f32; 32]) -> Self {
+        let m = x
+            .iter()
+            .copied()
+            .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
+        let d = m / -16.0;
+        let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let code = |v: f32| ((v * inv + 16.5) as i32).clamp(0, 31) as u32;
+        let (mut qs, mut qh) = ([0u8; 16], 0u32);
+        for (i, q) in qs.iter_mut().enumerate() {
+            let (a, b) = (code(x[i]), code(x[i + 16]));
+            *q = (a & 0x0F) as u8 | (((b & 0x0F) as u8) << 4);
+            qh |= ((a >> 4) << i) | ((b >> 4) << (i + 16));
+        }
+        Self {
+            d: f16::from_f32(d),
+            qh: qh.to_le_bytes(),
             qs,
         }
     }

@@ -67,6 +67,10 @@ pub(crate) enum Cmd {
     /// Perplexity against FFN sparsity: hgca's sparse FFN with thresholds
     /// calibrated per layer (CATS), exact attention.
     Ffn(ffn_cmd::FfnArgs),
+    /// Per layer and neuron, how often it fires on a text (the share of
+    /// tokens above the layer's threshold): the profile hot sets are chosen
+    /// from, written as JSON.
+    FfnProfile(ffn_cmd::ProfileArgs),
     /// Continue a prompt (greedy unless --temperature) and print the text.
     Generate {
         /// The prompt.
@@ -143,6 +147,9 @@ pub(crate) struct PplArgs {
     /// every CPU entry exactly.
     #[arg(long)]
     pub(crate) decode: bool,
+    /// The FFN (dense, or hgca's hybrid FFN).
+    #[command(flatten)]
+    pub(crate) ffn: ffn_cmd::PplFfnArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,21 +1,27 @@
-//! `hgca-llm ffn`: what each level of FFN sparsity costs in perplexity,
-//! with hgca's sparse FFN (CATS thresholds on `|silu(gate)|`, calibrated
-//! per layer on a disjoint part of the text) and exact full attention.
+//! `hgca-llm ffn`: what each split and level of FFN sparsity costs in
+//! perplexity, with hgca's hybrid FFN (hot neurons dense, cold neurons
+//! sparse with CATS thresholds calibrated per layer on a disjoint part of
+//! the text) and exact full attention; `hgca-llm ffn-profile`: the neuron
+//! profile hot sets are chosen from, as JSON; and the `--ffn` options of
+//! `hgca-llm ppl`.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::cli::Cli;
 use crate::factory::full_factory;
 use crate::load::{load, read_tokens};
 use crate::progress::bar;
-use hgca_llm::{PplOptions, Result, SparseFfn, perplexity, perplexity_with};
+use hgca_llm::{
+    Error, LlamaWeights, NeuronProfile, PplOptions, Result, SparseFfn, perplexity, perplexity_with,
+};
 
 /// Options of the ffn command.
 #[derive(clap::Args, Debug)]
 pub(crate) struct FfnArgs {
     /// The text file (default: Austen's Persuasion).
     #[arg(long, default_value = hgca_llm::DEFAULT_TEXT)]
-    text: std::path::PathBuf,
+    text: PathBuf,
     /// Start the text at the first occurrence of this string.
     #[arg(long, default_value = "Chapter 1")]
     from: String,
@@ -23,13 +29,180 @@ pub(crate) struct FfnArgs {
     /// prediction scored).
     #[arg(long, default_value_t = 1024)]
     tokens: usize,
-    /// Calibration tokens: the ones after the evaluated tokens.
+    /// Calibration tokens: the ones after the evaluated tokens (thresholds
+    /// and, without --hot-sets, the neuron profile).
     #[arg(long, default_value_t = 512)]
     calib: usize,
     /// Sparsity levels: the share of neurons each layer's threshold skips
     /// on the calibration text.
     #[arg(long, value_delimiter = ',', default_value = "0,0.3,0.5,0.7,0.9")]
     sparsity: Vec<f32>,
+    /// Hot ratios: the share of all FFN neurons on the dense side, placed
+    /// across layers by the planner from the neuron profile.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5")]
+    hot_ratio: Vec<f64>,
+    /// The sparsity at which neurons' firing frequencies are counted to
+    /// rank them for the hot sets.
+    #[arg(long, default_value_t = 0.5)]
+    profile_sparsity: f32,
+    /// A neuron profile written by `hgca-llm ffn-profile` (instead of
+    /// profiling the calibration tokens).
+    #[arg(long)]
+    hot_sets: Option<PathBuf>,
+}
+
+/// Options of the ffn-profile command.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ProfileArgs {
+    /// The text file (default: Austen's Persuasion).
+    #[arg(long, default_value = hgca_llm::DEFAULT_TEXT)]
+    text: PathBuf,
+    /// Start the text at the first occurrence of this string.
+    #[arg(long, default_value = "Chapter 1")]
+    from: String,
+    /// Tokens to skip after `--from` (default: past the ones `ffn` and
+    /// `ppl` evaluate by default).
+    #[arg(long, default_value_t = 4096)]
+    skip: usize,
+    /// Tokens to profile.
+    #[arg(long, default_value_t = 1024)]
+    tokens: usize,
+    /// Each layer's threshold is this quantile of its `|silu(gate)|`; a
+    /// neuron fires when above it.
+    #[arg(long, default_value_t = 0.5)]
+    sparsity: f32,
+    /// Where to write the profile (JSON).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+/// The FFN options of `hgca-llm ppl`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct PplFfnArgs {
+    /// The FFN: dense (candle, the model's weights) or hybrid (hgca: hot
+    /// neurons dense, cold neurons sparse on the CPU; f16 copies).
+    #[arg(long, value_enum, default_value = "dense")]
+    ffn: FfnKind,
+    /// Hybrid FFN: the share of all neurons that are hot.
+    #[arg(long, default_value_t = 0.25)]
+    hot_ratio: f64,
+    /// Hybrid FFN: each layer's cold threshold is this quantile of its
+    /// `|silu(gate)|` on the calibration tokens (after the evaluated ones).
+    #[arg(long, default_value_t = 0.3)]
+    ffn_sparsity: f32,
+    /// Hybrid FFN: one threshold on `|silu(gate)|` for every layer
+    /// instead of calibrated ones.
+    #[arg(long)]
+    threshold: Option<f32>,
+    /// Hybrid FFN: calibration tokens.
+    #[arg(long, default_value_t = 512)]
+    ffn_calib: usize,
+    /// Hybrid FFN: a neuron profile from `hgca-llm ffn-profile` to choose
+    /// the hot sets from (default: the calibration tokens', at sparsity 0.5).
+    #[arg(long)]
+    hot_sets: Option<PathBuf>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FfnKind {
+    Dense,
+    Hybrid,
+}
+
+fn read_profile(path: &Path) -> Result<NeuronProfile> {
+    let s = std::fs::read_to_string(path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    NeuronProfile::from_json(&s)
+}
+
+/// The share of (token, neuron) firings of `p` that the hot sets of
+/// `hot_ratio` hold.
+fn coverage(p: &NeuronProfile, hot_ratio: f64) -> Result<f64> {
+    let hot = p.hot_sets(hot_ratio)?;
+    let all: f64 = p.freq.iter().flatten().map(|&f| f64::from(f)).sum();
+    let held: f64 = hot
+        .iter()
+        .zip(&p.freq)
+        .map(|(h, f)| h.iter().map(|&i| f64::from(f[i as usize])).sum::<f64>())
+        .sum();
+    // `+ 0.0`: an empty sum is -0.0.
+    Ok(if all > 0.0 { held / all + 0.0 } else { 0.0 })
+}
+
+pub(crate) fn cmd_profile(cli: &Cli, a: &ProfileArgs) -> Result<()> {
+    let (tok, w) = load(cli)?;
+    let all = read_tokens(&tok, &a.text, &a.from, a.skip + a.tokens)?;
+    let ids = &all[a.skip..];
+    let t0 = std::time::Instant::now();
+    let p = NeuronProfile::measure(&w, ids, a.sparsity)?;
+    std::fs::write(&a.out, p.to_json()).map_err(|e| Error::Io {
+        path: a.out.clone(),
+        source: e,
+    })?;
+    println!(
+        "neuron profile: {} tokens of {} (after {} from `{}`), sparsity {} ({:.1} s) -> {}",
+        ids.len(),
+        a.text.display(),
+        a.skip,
+        a.from,
+        a.sparsity,
+        t0.elapsed().as_secs_f64(),
+        a.out.display()
+    );
+    println!("| hot ratio | firings held by the hot sets | hot neurons per layer (min .. max) |");
+    println!("|---|---|---|");
+    for r in [0.1, 0.25, 0.5] {
+        let hot = p.hot_sets(r)?;
+        let (lo, hi) = hot
+            .iter()
+            .map(Vec::len)
+            .fold((usize::MAX, 0), |(l, h), n| (l.min(n), h.max(n)));
+        println!("| {r} | {:.1}% | {lo} .. {hi} |", 100.0 * coverage(&p, r)?);
+    }
+    Ok(())
+}
+
+/// The hybrid FFN `ppl --ffn hybrid` asks for, calibrated on `calib`.
+pub(crate) fn ppl_ffn(
+    w: &Arc<LlamaWeights>,
+    a: &PplFfnArgs,
+    calib: &[u32],
+) -> Result<Option<Arc<SparseFfn>>> {
+    if a.ffn == FfnKind::Dense {
+        return Ok(None);
+    }
+    let profile = match &a.hot_sets {
+        Some(p) => read_profile(p)?,
+        None => NeuronProfile::measure(w, calib, 0.5)?,
+    };
+    let hot = profile.hot_sets(a.hot_ratio)?;
+    let mut ffn = SparseFfn::with_hot(w, hgca_llm::cpu_backend(), &hot)?;
+    match a.threshold {
+        Some(t) => ffn.set_thresholds(&vec![t; hot.len()])?,
+        None => ffn.calibrate(w, calib, a.ffn_sparsity)?,
+    }
+    eprintln!(
+        "FFN: hybrid, {:.1}% of the neurons hot ({} .. {} a layer), cold thresholds {}",
+        100.0 * a.hot_ratio,
+        ffn.hot_counts().iter().min().copied().unwrap_or(0),
+        ffn.hot_counts().iter().max().copied().unwrap_or(0),
+        match a.threshold {
+            Some(t) => format!("{t} (every layer)"),
+            None => format!("at sparsity {} (calibrated)", a.ffn_sparsity),
+        }
+    );
+    Ok(Some(Arc::new(ffn)))
+}
+
+/// Calibration tokens `ppl --ffn hybrid` needs after the evaluated ones.
+pub(crate) fn ppl_calib_tokens(a: &PplFfnArgs) -> usize {
+    if a.ffn == FfnKind::Dense {
+        0
+    } else {
+        a.ffn_calib
+    }
 }
 
 pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
@@ -42,35 +215,61 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         score_from: 0,
         decode: false,
     };
-    let pb = bar(a.tokens * (a.sparsity.len() + 1));
+    let runs = a.sparsity.len() * a.hot_ratio.len();
+    let pb = bar(a.tokens * (runs + 1));
     pb.set_message("dense (candle)");
     let dense = perplexity(&w, ids, opts, full_factory(cli.kv), |d| {
         pb.set_position(d as u64)
     })?;
+    pb.set_message("profiles");
+    let profile = match &a.hot_sets {
+        Some(p) => read_profile(p)?,
+        None => NeuronProfile::measure(&w, calib, a.profile_sparsity)?,
+    };
+    let mut thresholds = Vec::new();
+    for &s in &a.sparsity {
+        thresholds.push(NeuronProfile::measure(&w, calib, s)?.thresholds);
+    }
     let cpu = hgca_llm::cpu_backend();
     let mut rows = Vec::new();
     let mut zero_ppl = None;
-    for (i, &s) in a.sparsity.iter().enumerate() {
-        pb.set_message(format!("sparsity {s}"));
-        let mut ffn = SparseFfn::new(&w, cpu.clone())?;
-        ffn.calibrate(&w, calib, s)?;
-        let ffn = Arc::new(ffn);
-        let done = (i + 1) * a.tokens;
-        let r = perplexity_with(&w, ids, opts, full_factory(cli.kv), Some(&ffn), |d| {
-            pb.set_position((done + d) as u64)
-        })?;
-        if s == 0.0 {
-            zero_ppl = Some(r.ppl);
+    let mut done = 1;
+    for &r in &a.hot_ratio {
+        let hot = profile.hot_sets(r)?;
+        let mut ffn = SparseFfn::with_hot(&w, cpu.clone(), &hot)?;
+        for (&s, t) in a.sparsity.iter().zip(&thresholds) {
+            pb.set_message(format!("hot {r} sparsity {s}"));
+            ffn.set_thresholds(t)?;
+            let shared = Arc::new(ffn);
+            let base = done * a.tokens;
+            let rep = perplexity_with(&w, ids, opts, full_factory(cli.kv), Some(&shared), |d| {
+                pb.set_position((base + d) as u64)
+            })?;
+            done += 1;
+            let count = shared.count();
+            ffn = Arc::try_unwrap(shared).map_err(|_| Error::Invalid {
+                what: "sparse FFN",
+                msg: "still shared after a run".into(),
+            })?;
+            ffn.reset_count();
+            if s == 0.0 && r == 0.0 {
+                zero_ppl = Some(rep.ppl);
+            }
+            rows.push((r, s, rep.ppl, count));
         }
-        rows.push((s, r.ppl, ffn.count()));
     }
     pb.finish_and_clear();
     let c = w.config();
     println!(
-        "\nFFN sparsity: {} tokens of {} from `{}` (one segment, chunks of 512, every prediction scored), exact attention, thresholds on |silu(gate)| calibrated per layer on the next {} tokens; weights {:?} (hgca's FFN: f16 copies, neuron-major), {} layers x {} neurons",
+        "\nFFN split and sparsity: {} tokens of {} from `{}` (one segment, chunks of 512, every prediction scored), exact attention; hot sets from {} (firing above each layer's {} quantile), placed across layers by the planner; cold thresholds on |silu(gate)| calibrated per layer on the {} tokens after the evaluated ones; weights {:?} (hgca's FFN: f16 copies, neuron-major; the CPU stands in for the dense side), {} layers x {} neurons",
         a.tokens,
         a.text.display(),
         a.from,
+        a.hot_sets.as_ref().map_or_else(
+            || format!("the calibration tokens' profile"),
+            |p| p.display().to_string()
+        ),
+        profile.sparsity,
         a.calib,
         cli.weights,
         c.n_layers,
@@ -82,16 +281,18 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         dense.tokens_per_sec()
     );
     println!(
-        "| sparsity (calibrated) | neurons computed | FFN weight bytes read vs dense | PPL | vs dense candle | vs hgca sparsity 0 | FFN ms per token |"
+        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token |"
     );
-    println!("|---|---|---|---|---|---|---|");
-    for (s, ppl, n) in rows {
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for (r, s, ppl, n) in rows {
         let per_eval = n.evals.max(1) as f64;
-        let dense_rows = 3.0 * c.ffn_dim as f64 * per_eval;
+        let all = c.ffn_dim as f64 * per_eval;
         println!(
-            "| {s} | {:.1}% | {:.1}% | {ppl:.3} | {:+.2}% | {} | {:.2} |",
-            100.0 * n.active as f64 / (c.ffn_dim as f64 * per_eval),
-            100.0 * n.rows as f64 / dense_rows,
+            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {ppl:.3} | {:+.2}% | {} | {:.2} |",
+            100.0 * coverage(&profile, r)?,
+            100.0 * n.active as f64 / all,
+            100.0 * n.hot as f64 / all,
+            100.0 * n.rows as f64 / (3.0 * all),
             100.0 * (ppl / dense.ppl - 1.0),
             zero_ppl.map_or("-".into(), |z| format!("{:+.2}%", 100.0 * (ppl / z - 1.0))),
             1e3 * n.time.as_secs_f64() / (per_eval / c.n_layers as f64),

@@ -37,6 +37,7 @@ fn main() {
         Cmd::Needle(a) => needle::cmd_needle(&cli, a),
         Cmd::Ruler(a) => ruler::cmd_ruler(&cli, a),
         Cmd::Ffn(a) => ffn_cmd::cmd_ffn(&cli, a),
+        Cmd::FfnProfile(a) => ffn_cmd::cmd_profile(&cli, a),
         Cmd::Speed {
             text,
             context,

@@ -63,7 +63,8 @@ pub struct Llama {
     poisoned: bool,
     /// hgca's sparse FFN in place of candle's dense one, when set.
     ffn: Option<Arc<SparseFfn>>,
-    /// Per layer, samples of `|silu(gate)|` of the dense FFN (calibration).
+    /// Per layer, `|silu(gate)|` of every neuron and token of the dense FFN
+    /// (calibration, neuron profiles).
     pub(crate) record: Option<Vec<Vec<f32>>>,
     /// Where the time of forward calls went, when asked.
     profile: Option<Profile>,
@@ -446,8 +447,8 @@ impl Llama {
             for t in 0..n {
                 let (g, u) = gu[t * 2 * ff..(t + 1) * 2 * ff].split_at(ff);
                 if let Some(rec) = &mut self.record {
-                    // Every 7th neuron: enough for a layer's quantiles.
-                    rec[li].extend(g.iter().step_by(7).map(|&g| (g / (1.0 + (-g).exp())).abs()));
+                    // Every neuron's |silu(gate)|, token by token.
+                    rec[li].extend(g.iter().map(|&g| (g / (1.0 + (-g).exp())).abs()));
                 }
                 let a = &mut act[t * ff..(t + 1) * ff];
                 if gemma {

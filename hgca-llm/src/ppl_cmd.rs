@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use hgca_hybrid::HybridConfig;
-use hgca_llm::{Error, PplOptions, Result, perplexity};
+use hgca_llm::{Error, PplOptions, Result, perplexity_with};
 
 use crate::cli::{AttnKind, Cli, PplArgs};
 use crate::factory::{SelCount, full_factory, hybrid_factory, parse_recovery};
@@ -13,7 +13,10 @@ use crate::progress::bar;
 
 pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
     let (tok, w) = load(cli)?;
-    let ids = read_tokens(&tok, &a.text, &a.from, a.tokens)?;
+    let extra = crate::ffn_cmd::ppl_calib_tokens(&a.ffn);
+    let mut ids = read_tokens(&tok, &a.text, &a.from, a.tokens + extra)?;
+    let calib = ids.split_off(a.tokens);
+    let ffn = crate::ffn_cmd::ppl_ffn(&w, &a.ffn, &calib)?;
     let preview = tok.decode(&ids[..ids.len().min(12)])?;
     let context = a.context.min(ids.len());
     eprintln!(
@@ -64,7 +67,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
             let count = Arc::new(Mutex::new(SelCount::default()));
             let (report, window) = match kind {
                 AttnKind::Full => (
-                    perplexity(&w, &ids, opts, full_factory(cli.kv), |d| {
+                    perplexity_with(&w, &ids, opts, full_factory(cli.kv), ffn.as_ref(), |d| {
                         pb.set_position(d as u64)
                     })?,
                     context,
@@ -90,7 +93,9 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
                     };
                     let f = hybrid_factory(cli.kv, (cfg, oracle), Arc::clone(&count));
                     (
-                        perplexity(&w, &ids, opts, f, |d| pb.set_position(d as u64))?,
+                        perplexity_with(&w, &ids, opts, f, ffn.as_ref(), |d| {
+                            pb.set_position(d as u64)
+                        })?,
                         window,
                     )
                 }

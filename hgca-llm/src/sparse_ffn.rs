@@ -1,25 +1,31 @@
-//! hgca's sparse FFN in place of candle's dense one: neuron-major f16
-//! weights, per-layer CATS thresholds and their calibration.
+//! hgca's sparse and hybrid FFN in place of candle's dense one:
+//! neuron-major f16 weights, per-layer CATS thresholds, hot sets
+//! (PowerInfer's split, from a [`NeuronProfile`] and the planner), and
+//! their calibration.
 
 use std::sync::Arc;
+
+use hgca_cpu::CpuBackend;
+use hgca_hybrid::HybridFfn;
+use hgca_kernels::{FfnAct, FfnWeights, f16};
 
 use crate::model::{Llama, Logits};
 use crate::weights::LlamaWeights;
 use crate::{Error, Result};
 
-/// hgca's sparse FFN for every layer of a model (PowerInfer's CPU side,
-/// CATS thresholds): neuron-major f16 copies of the FFN weights, and per
-/// layer a threshold on `|silu(gate)|`; a token's neurons below it are not
-/// computed (their up and down rows are not read). With every threshold 0
-/// it is the dense FFN up to f16 rounding of the weights.
+/// hgca's FFN for every layer of a model: neuron-major f16 copies of the
+/// FFN weights split per layer into **hot** neurons, computed densely on
+/// the dense side (here the CPU stands in for the GPU), and **cold** ones,
+/// computed on the CPU when their `|silu(gate)|` passes the layer's
+/// threshold (CATS; their up and down rows are not read otherwise). With
+/// no hot neuron it is the sparse FFN; with every threshold 0 it is the
+/// dense FFN up to f16 rounding of the weights, whatever the split.
 #[derive(Debug)]
 pub struct SparseFfn {
     d: usize,
     n_ff: usize,
-    /// Per layer: gate, up, down transposed (`[n_ff, d]` each).
-    layers: Vec<[Vec<hgca_kernels::f16>; 3]>,
+    layers: Vec<HybridFfn<CpuBackend>>,
     thresholds: Vec<f32>,
-    cpu: hgca_cpu::CpuBackend,
     count: std::sync::Mutex<FfnCount>,
 }
 
@@ -28,39 +34,203 @@ pub struct SparseFfn {
 pub struct FfnCount {
     /// (token, layer) FFN evaluations.
     pub evals: u64,
-    /// (token, neuron) pairs computed, summed over layers.
+    /// (token, neuron) pairs computed, hot and cold, summed over layers.
     pub active: u64,
-    /// Weight rows read per token (gate rows of every neuron, up and down
-    /// rows of the active ones), summed; the dense FFN reads `3 n_ff` per
-    /// evaluation.
+    /// Of which on the dense side (hot neurons).
+    pub hot: u64,
+    /// Weight rows the CPU read for the cold neurons, per token (gate rows
+    /// of every cold neuron, up and down rows of those that pass), summed;
+    /// the dense FFN reads `3 n_ff` rows per evaluation.
     pub rows: u64,
-    /// Time in the FFN kernel.
+    /// Time in the FFN (both sides).
     pub time: std::time::Duration,
 }
 
+/// Per layer and neuron, how often the neuron fires on a calibration text:
+/// the share of tokens whose `|silu(gate)|` exceeds the layer's threshold
+/// (the `sparsity` quantile of that layer's activations). What
+/// `hgca-llm ffn-profile` writes (JSON) and hot sets are chosen from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NeuronProfile {
+    /// Calibration tokens.
+    pub tokens: usize,
+    /// The quantile the thresholds were set at.
+    pub sparsity: f32,
+    /// Per layer, the threshold on `|silu(gate)|`.
+    pub thresholds: Vec<f32>,
+    /// `[layer][neuron]`: the share of tokens on which the neuron passed.
+    pub freq: Vec<Vec<f32>>,
+}
+
+impl NeuronProfile {
+    /// Runs `weights` (exact attention, dense FFN) over `tokens` and
+    /// records, per layer, the threshold at the `sparsity` quantile of
+    /// `|silu(gate)|` and each neuron's firing share above it.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a sparsity outside `[0, 1)`, no tokens, or a
+    /// model whose FFN is not SiLU-gated; model errors.
+    pub fn measure(weights: &Arc<LlamaWeights>, tokens: &[u32], sparsity: f32) -> Result<Self> {
+        if !(0.0..1.0).contains(&sparsity) {
+            return Err(Error::invalid(
+                "ffn sparsity",
+                format!("{sparsity} is not in [0, 1)"),
+            ));
+        }
+        if tokens.is_empty() {
+            return Err(Error::invalid("calibration", "no tokens"));
+        }
+        silu_gated(weights)?;
+        let n_ff = weights.config.ffn_dim;
+        let mut llm = Llama::with_full_attention::<f32>(Arc::clone(weights))?;
+        llm.record = Some(vec![Vec::new(); weights.layers.len()]);
+        for c in tokens.chunks(512) {
+            llm.forward(c, Logits::None)?;
+        }
+        let rec = llm.record.take().unwrap_or_default();
+        let mut thresholds = Vec::with_capacity(rec.len());
+        let mut freq = Vec::with_capacity(rec.len());
+        for v in rec {
+            // The quantile from every 7th value (enough, and a cheap sort).
+            let mut sample: Vec<f32> = v.iter().step_by(7).copied().collect();
+            sample.sort_by(f32::total_cmp);
+            let t = if sparsity == 0.0 {
+                0.0
+            } else {
+                sample
+                    .get(((sample.len() as f64) * f64::from(sparsity)) as usize)
+                    .copied()
+                    .unwrap_or(0.0)
+            };
+            let mut f = vec![0.0f32; n_ff];
+            for row in v.chunks_exact(n_ff) {
+                for (c, &a) in f.iter_mut().zip(row) {
+                    if a > t {
+                        *c += 1.0;
+                    }
+                }
+            }
+            let n = (v.len() / n_ff).max(1) as f32;
+            f.iter_mut().for_each(|c| *c /= n);
+            thresholds.push(t);
+            freq.push(f);
+        }
+        Ok(Self {
+            tokens: tokens.len(),
+            sparsity,
+            thresholds,
+            freq,
+        })
+    }
+
+    /// Each layer's hot neurons when the dense side holds `hot_ratio` of
+    /// all FFN weights: a GPU budget of that share, filled by
+    /// [`hgca_hybrid::planner::plan_hot_neurons`] with the most frequent
+    /// neurons across layers (so layers get different counts).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a ratio outside `[0, 1]`.
+    pub fn hot_sets(&self, hot_ratio: f64) -> Result<Vec<Vec<u32>>> {
+        if !(0.0..=1.0).contains(&hot_ratio) {
+            return Err(Error::invalid(
+                "hot ratio",
+                format!("{hot_ratio} is not in [0, 1]"),
+            ));
+        }
+        let total: usize = self.freq.iter().map(Vec::len).sum();
+        // In neurons: one "byte" a neuron, as every neuron costs the same.
+        let budget = (hot_ratio * total as f64).round() as u64;
+        Ok(hgca_hybrid::planner::plan_hot_neurons(
+            &self.freq, 1, budget,
+        )?)
+    }
+
+    /// The profile as JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "tokens": self.tokens,
+            "sparsity": self.sparsity,
+            "thresholds": self.thresholds,
+            "freq": self.freq,
+        })
+        .to_string()
+    }
+
+    /// A profile from [`NeuronProfile::to_json`]'s form.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for text that is not such a profile.
+    pub fn from_json(s: &str) -> Result<Self> {
+        let bad = |m: &str| Error::invalid("neuron profile", m.to_string());
+        let v: serde_json::Value =
+            serde_json::from_str(s).map_err(|e| bad(&format!("not JSON: {e}")))?;
+        let floats = |v: &serde_json::Value| -> Option<Vec<f32>> {
+            v.as_array()?
+                .iter()
+                .map(|x| x.as_f64().map(|f| f as f32))
+                .collect()
+        };
+        let tokens = v["tokens"].as_u64().ok_or_else(|| bad("no `tokens`"))? as usize;
+        let sparsity = v["sparsity"].as_f64().ok_or_else(|| bad("no `sparsity`"))? as f32;
+        let thresholds = floats(&v["thresholds"]).ok_or_else(|| bad("no `thresholds`"))?;
+        let freq: Vec<Vec<f32>> = v["freq"]
+            .as_array()
+            .and_then(|a| a.iter().map(floats).collect())
+            .ok_or_else(|| bad("no `freq`"))?;
+        if freq.len() != thresholds.len() {
+            return Err(bad("`freq` and `thresholds` differ in layers"));
+        }
+        Ok(Self {
+            tokens,
+            sparsity,
+            thresholds,
+            freq,
+        })
+    }
+}
+
+fn silu_gated(w: &LlamaWeights) -> Result<()> {
+    if w.config.arch == crate::Arch::Gemma3 {
+        return Err(crate::Error::invalid(
+            "sparse FFN",
+            "Gemma 3's GELU-gated FFN is not supported (SiLU-gated models only)",
+        ));
+    }
+    Ok(())
+}
+
 impl SparseFfn {
-    /// Neuron-major f16 copies of `w`'s FFN weights, thresholds 0.
+    /// Neuron-major f16 copies of `w`'s FFN weights, no hot neuron,
+    /// thresholds 0.
     ///
     /// # Errors
     /// [`crate::Error::Invalid`] for a model whose FFN is not SiLU-gated
     /// (Gemma 3: GELU, and norms after the FFN); candle errors dequantising
     /// the weights.
-    pub fn new(w: &LlamaWeights, cpu: hgca_cpu::CpuBackend) -> Result<Self> {
+    pub fn new(w: &LlamaWeights, cpu: CpuBackend) -> Result<Self> {
+        let none = vec![Vec::new(); w.layers.len()];
+        Self::with_hot(w, cpu, &none)
+    }
+
+    /// As [`SparseFfn::new`], with `hot[layer]` the hot neurons of each
+    /// layer (from [`NeuronProfile::hot_sets`]).
+    ///
+    /// # Errors
+    /// As [`SparseFfn::new`]; [`Error::Invalid`] for a list per layer
+    /// missing; typed kernel errors for a neuron out of range or repeated.
+    pub fn with_hot(w: &LlamaWeights, cpu: CpuBackend, hot: &[Vec<u32>]) -> Result<Self> {
+        silu_gated(w)?;
         let c = &w.config;
-        if c.arch == crate::Arch::Gemma3 {
-            return Err(crate::Error::invalid(
-                "sparse FFN",
-                "Gemma 3's GELU-gated FFN is not supported (SiLU-gated models only)",
+        if hot.len() != w.layers.len() {
+            return Err(Error::invalid(
+                "hot sets",
+                format!("{} lists for {} layers", hot.len(), w.layers.len()),
             ));
         }
         let (d, ff) = (c.dim, c.ffn_dim);
-        let to16 = |v: &[f32]| {
-            v.iter()
-                .map(|&x| hgca_kernels::f16::from_f32(x))
-                .collect::<Vec<_>>()
-        };
+        let to16 = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
         let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
+        for (l, h) in w.layers.iter().zip(hot) {
             let gu = l.gate_up.dense_f32()?;
             let dn = l.down.dense_f32()?; // [d, ff]
             let mut down_t = vec![0.0f32; ff * d];
@@ -69,14 +239,22 @@ impl SparseFfn {
                     down_t[i * d + r] = dn[r * ff + i];
                 }
             }
-            layers.push([to16(&gu[..ff * d]), to16(&gu[ff * d..]), to16(&down_t)]);
+            let (g, u, dt) = (to16(&gu[..ff * d]), to16(&gu[ff * d..]), to16(&down_t));
+            let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
+            layers.push(HybridFfn::new(
+                cpu.clone(),
+                cpu.clone(),
+                FfnAct::Silu,
+                &fw,
+                h,
+                0.0,
+            )?);
         }
         Ok(Self {
             d,
             n_ff: ff,
             thresholds: vec![0.0; layers.len()],
             layers,
-            cpu,
             count: std::sync::Mutex::new(FfnCount::default()),
         })
     }
@@ -84,7 +262,8 @@ impl SparseFfn {
     /// Sets each layer's threshold to the `sparsity` quantile of
     /// `|silu(gate)|` over the dense FFN's activations on `tokens` (run
     /// through `weights` with exact attention): about that share of the
-    /// neurons is then skipped per token. `sparsity` 0 keeps every neuron.
+    /// neurons is then skipped per token (of the cold ones, when there are
+    /// hot ones). `sparsity` 0 keeps every neuron.
     ///
     /// # Errors
     /// [`Error::Invalid`] for a sparsity outside `[0, 1)` or no tokens;
@@ -95,32 +274,26 @@ impl SparseFfn {
         tokens: &[u32],
         sparsity: f32,
     ) -> Result<()> {
-        if !(0.0..1.0).contains(&sparsity) {
+        let p = NeuronProfile::measure(weights, tokens, sparsity)?;
+        self.set_thresholds(&p.thresholds)
+    }
+
+    /// Sets the per-layer thresholds.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for another number of layers; a typed kernel
+    /// error for a threshold that is not finite and `>= 0`.
+    pub fn set_thresholds(&mut self, t: &[f32]) -> Result<()> {
+        if t.len() != self.layers.len() {
             return Err(Error::invalid(
-                "ffn sparsity",
-                format!("{sparsity} is not in [0, 1)"),
+                "thresholds",
+                format!("{} for {} layers", t.len(), self.layers.len()),
             ));
         }
-        if tokens.is_empty() {
-            return Err(Error::invalid("calibration", "no tokens"));
+        for (l, &v) in self.layers.iter_mut().zip(t) {
+            l.set_threshold(v)?;
         }
-        if sparsity == 0.0 {
-            self.thresholds.fill(0.0);
-            return Ok(());
-        }
-        let mut llm = Llama::with_full_attention::<f32>(Arc::clone(weights))?;
-        llm.record = Some(vec![Vec::new(); self.layers.len()]);
-        for c in tokens.chunks(512) {
-            llm.forward(c, Logits::None)?;
-        }
-        let rec = llm.record.take().unwrap_or_default();
-        for (t, mut v) in self.thresholds.iter_mut().zip(rec) {
-            v.sort_by(f32::total_cmp);
-            *t = v
-                .get(((v.len() as f64) * f64::from(sparsity)) as usize)
-                .copied()
-                .unwrap_or(0.0);
-        }
+        self.thresholds = t.to_vec();
         Ok(())
     }
 
@@ -129,30 +302,33 @@ impl SparseFfn {
         &self.thresholds
     }
 
+    /// Hot neurons per layer.
+    pub fn hot_counts(&self) -> Vec<usize> {
+        self.layers.iter().map(|l| l.split().hot().len()).collect()
+    }
+
     /// What was computed so far.
     pub fn count(&self) -> FfnCount {
         *self.count.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Sets the count back to zero.
+    pub fn reset_count(&self) {
+        *self.count.lock().unwrap_or_else(|e| e.into_inner()) = FfnCount::default();
+    }
+
     /// The FFN of layer `l` for `n` normalised tokens `h` (`[n, d]`).
     pub(crate) fn forward(&self, l: usize, h: &[f32], n: usize) -> Result<Vec<f32>> {
-        let [g, u, dt] = &self.layers[l];
-        let w = hgca_kernels::FfnWeights::new(self.d, self.n_ff, g, u, dt)?;
         let mut out = vec![0.0f32; n * self.d];
         let t0 = std::time::Instant::now();
-        let st = self.cpu.sparse_ffn(
-            hgca_kernels::FfnAct::Silu,
-            &w,
-            h,
-            n,
-            hgca_kernels::Neurons::Threshold(self.thresholds[l]),
-            &mut out,
-        )?;
+        let st = self.layers[l].forward(h, n, &mut out)?;
         let mut c = self.count.lock().unwrap_or_else(|e| e.into_inner());
         c.evals += n as u64;
-        c.active += st.active as u64;
-        c.rows += st.rows as u64;
+        c.active += (st.hot + st.cold.active) as u64;
+        c.hot += st.hot as u64;
+        c.rows += st.cold.rows as u64;
         c.time += t0.elapsed();
+        debug_assert!(st.hot <= n * self.n_ff);
         Ok(out)
     }
 }

@@ -475,6 +475,99 @@ fn sparse_ffn_matches_the_dense_ffn_at_sparsity_zero() {
     }
 }
 
+/// The hybrid FFN in the model: a neuron profile (JSON round trip,
+/// frequencies that match its sparsity), hot sets placed by the planner,
+/// and the split's identities: threshold 0 is the dense FFN whatever the
+/// hot share; every neuron hot computes every neuron and reads no cold row;
+/// at one threshold, hot neurons only add to what the sparse FFN computes.
+#[test]
+fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
+    use hgca_llm::{NeuronProfile, SparseFfn};
+    let dir = tempfile::tempdir().unwrap();
+    let spec = SynthSpec {
+        arch: hgca_llm::Arch::Qwen2,
+        ..SynthSpec::default()
+    };
+    let w = weights(&tiny(dir.path(), &spec), WeightFormat::F32);
+    let (layers, ff) = (w.config().n_layers, w.config().ffn_dim);
+    let ids: Vec<u32> = (0..48u32).map(|i| (i * 29 + 3) % 250).collect();
+    let p = NeuronProfile::measure(&w, &ids, 0.5).unwrap();
+    assert_eq!(
+        (p.freq.len(), p.thresholds.len(), p.tokens),
+        (layers, layers, 48)
+    );
+    for f in &p.freq {
+        assert_eq!(f.len(), ff);
+        assert!(f.iter().all(|&x| (0.0..=1.0).contains(&x)));
+        // About half of the (token, neuron) pairs pass the median.
+        let mean = f.iter().sum::<f32>() / ff as f32;
+        assert!((0.4..0.6).contains(&mean), "mean firing share {mean}");
+    }
+    let back = NeuronProfile::from_json(&p.to_json()).unwrap();
+    assert_eq!(back.freq.len(), layers);
+    assert_eq!(back.hot_sets(0.25).unwrap(), p.hot_sets(0.25).unwrap());
+    let hot = p.hot_sets(0.25).unwrap();
+    let total: usize = hot.iter().map(Vec::len).sum();
+    assert_eq!(total, (0.25 * (layers * ff) as f64).round() as usize);
+    assert!(matches!(p.hot_sets(1.5), Err(Error::Invalid { .. })));
+    assert!(matches!(
+        NeuronProfile::from_json("{\"tokens\": 3}"),
+        Err(Error::Invalid { .. })
+    ));
+
+    let cpu = hgca_cpu::CpuBackend::new();
+    let dense = Llama::with_full_attention::<f32>(Arc::clone(&w))
+        .unwrap()
+        .forward(&ids, Logits::All)
+        .unwrap();
+    let run = |ffn: &Arc<SparseFfn>| {
+        Llama::with_full_attention::<f32>(Arc::clone(&w))
+            .unwrap()
+            .with_sparse_ffn(Arc::clone(ffn))
+            .forward(&ids, Logits::All)
+            .unwrap()
+    };
+    let evals = (48 * layers * ff) as u64;
+    // Threshold 0: the dense FFN (f16 weight copies), whatever the split.
+    for r in [0.25, 1.0] {
+        let ffn = Arc::new(SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(r).unwrap()).unwrap());
+        let d = max_rel_diff(&run(&ffn), &dense);
+        assert!(d < 2e-2 && d > 0.0, "hot {r}: {d}");
+        let c = ffn.count();
+        assert_eq!(c.hot, (r * evals as f64).round() as u64, "hot {r}");
+    }
+    // Every neuron hot: a high threshold skips nothing, no cold row is read.
+    let mut all = SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(1.0).unwrap()).unwrap();
+    all.set_thresholds(&vec![1e6; layers]).unwrap();
+    let all = Arc::new(all);
+    let d = max_rel_diff(&run(&all), &dense);
+    assert!(d < 2e-2, "all hot: {d}");
+    assert_eq!((all.count().active, all.count().rows), (evals, 0));
+    // One threshold (the calibration's): the hybrid computes at least what
+    // the sparse FFN does, and all its hot neurons.
+    let mut sparse = SparseFfn::new(&w, cpu.clone()).unwrap();
+    sparse.calibrate(&w, &ids, 0.5).unwrap();
+    let mut hybrid = SparseFfn::with_hot(&w, cpu.clone(), &hot).unwrap();
+    hybrid.set_thresholds(sparse.thresholds()).unwrap();
+    let (sparse, hybrid) = (Arc::new(sparse), Arc::new(hybrid));
+    let (ys, yh) = (run(&sparse), run(&hybrid));
+    let (cs, ch) = (sparse.count(), hybrid.count());
+    assert_eq!(ch.hot, (total * 48) as u64);
+    assert!(ch.active > cs.active, "{ch:?} vs {cs:?}");
+    assert!(ch.rows < cs.rows, "{ch:?} vs {cs:?}");
+    assert!(
+        max_rel_diff(&yh, &dense) < max_rel_diff(&ys, &dense),
+        "hot neurons bring the output closer to the dense FFN"
+    );
+    assert!(matches!(
+        SparseFfn::with_hot(&w, cpu.clone(), &hot[..1]),
+        Err(Error::Invalid { .. })
+    ));
+    let mut bad = SparseFfn::new(&w, cpu).unwrap();
+    assert!(bad.set_thresholds(&[0.1]).is_err());
+    assert!(bad.set_thresholds(&vec![f32::NAN; layers]).is_err());
+}
+
 /// A hybrid layer factory for the tiny model: a 16-token window of 8-token
 /// blocks under `recovery`, so that most of a few dozen tokens live in the
 /// CPU store.

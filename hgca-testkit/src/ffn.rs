@@ -3,7 +3,8 @@
 //! comparison of an output with the reference over the same active sets.
 
 use hgca_kernels::{
-    BlockQ4_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnWeights, Result, WeightElem, bf16, f16,
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnWeights, Result,
+    WeightElem, bf16, f16,
 };
 
 use crate::{Rng, within};
@@ -50,6 +51,22 @@ impl TestWeight for BlockQ4_0 {
     fn from_row(x: &[f32]) -> Vec<Self> {
         x.chunks_exact(32)
             .map(|c| BlockQ4_0::quantize(c.try_into().expect("32 values")))
+            .collect()
+    }
+}
+
+impl TestWeight for BlockQ4_1 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(32)
+            .map(|c| BlockQ4_1::quantize(c.try_into().expect("32 values")))
+            .collect()
+    }
+}
+
+impl TestWeight for BlockQ5_0 {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(32)
+            .map(|c| BlockQ5_0::quantize(c.try_into().expect("32 values")))
             .collect()
     }
 }
