@@ -151,6 +151,78 @@ fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &m
     }
 }
 
+/// Whether `W` is a float format (f32, f16, bf16), which the kernels
+/// widen a vector at a time.
+#[inline(always)]
+fn is_float<W: WeightElem>() -> bool {
+    use core::any::TypeId;
+    let id = TypeId::of::<W>();
+    id == TypeId::of::<f16>() || id == TypeId::of::<bf16>() || id == TypeId::of::<f32>()
+}
+
+/// One vector of a float row (`LANES` elements), widened to f32.
+#[inline(always)]
+fn load_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, c: &[W]) -> S::f32s {
+    use core::any::TypeId;
+    let id = TypeId::of::<W>();
+    if id == TypeId::of::<f16>() {
+        s.widen_f16(extra, bytemuck::cast_slice::<W, f16>(c))
+    } else if id == TypeId::of::<bf16>() {
+        s.widen_bf16(bytemuck::cast_slice::<W, bf16>(c))
+    } else {
+        load(s, bytemuck::cast_slice::<W, f32>(c))
+    }
+}
+
+/// `Σ_k row[k] x[k]` straight from a float row (widened in registers, not
+/// through a buffer: one token reads each row once), four accumulators.
+#[inline(always)]
+fn dot_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], x: &[f32]) -> f32 {
+    let lanes = S::F32_LANES;
+    let mut acc = [s.splat_f32s(0.0); 4];
+    let (quads, full) = (row.len() / (4 * lanes), row.len() / lanes);
+    for q in 0..quads {
+        let k = 4 * q * lanes;
+        for (j, a) in acc.iter_mut().enumerate() {
+            let o = k + j * lanes;
+            let w = load_row(s, extra, &row[o..o + lanes]);
+            *a = s.mul_add_f32s(w, load(s, &x[o..o + lanes]), *a);
+        }
+    }
+    for v in 4 * quads..full {
+        let o = v * lanes;
+        let w = load_row(s, extra, &row[o..o + lanes]);
+        acc[0] = s.mul_add_f32s(w, load(s, &x[o..o + lanes]), acc[0]);
+    }
+    let v = s.add_f32s(s.add_f32s(acc[0], acc[1]), s.add_f32s(acc[2], acc[3]));
+    let mut sum = s.reduce_sum_f32s(v);
+    let mut one = [0.0f32; 1];
+    for (e, &xv) in row[full * lanes..].iter().zip(&x[full * lanes..]) {
+        e.dequant(&mut one);
+        sum = one[0].mul_add(xv, sum);
+    }
+    sum
+}
+
+/// `y += a * row` straight from a float row.
+#[inline(always)]
+fn axpy_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], a: f32, y: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    let av = s.splat_f32s(a);
+    let full = row.len() / lanes;
+    for v in 0..full {
+        let o = v * lanes;
+        let w = load_row(s, extra, &row[o..o + lanes]);
+        let r = s.mul_add_f32s(w, av, load(s, &y[o..o + lanes]));
+        store(s, &mut y[o..o + lanes], r);
+    }
+    let mut one = [0.0f32; 1];
+    for (e, yv) in row[full * lanes..].iter().zip(&mut y[full * lanes..]) {
+        e.dequant(&mut one);
+        *yv = one[0].mul_add(a, *yv);
+    }
+}
+
 #[inline(always)]
 fn activate(act: FfnAct, g: f32) -> f32 {
     match act {
@@ -180,7 +252,33 @@ fn ffn_part<S: Kern, W: WeightElem>(
     let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
     let mut a = vec![0.0f32; n];
     let blocks = W::VALUES > 1;
-    for i in ids {
+    let mut ids = ids.peekable();
+    let rows_of = |i: usize| {
+        [
+            &w.gate[i * r..(i + 1) * r],
+            &w.up[i * r..(i + 1) * r],
+            &w.down_t[i * r..(i + 1) * r],
+        ]
+    };
+    while let Some(i) = ids.next() {
+        // The next neuron's rows are fetched while this one computes: an
+        // active list skips rows, which the hardware prefetchers do not
+        // foresee; consecutive neurons they do. (With a threshold the next
+        // gate row is always read; its up and down rows may not be.)
+        if let Some(&next) = ids.peek().filter(|&&j| j != i + 1) {
+            let [g0, u0, d0] = rows_of(next);
+            let parts: &[&[W]] = if threshold.is_some() {
+                &[g0]
+            } else {
+                &[g0, u0, d0]
+            };
+            for row in parts {
+                let bytes: &[u8] = bytemuck::cast_slice(row);
+                for off in (0..bytes.len()).step_by(64) {
+                    s.prefetch(bytes[off..].as_ptr());
+                }
+            }
+        }
         if blocks {
             // Block formats: dequantised a block at a time inside each pass.
             let (gate, up, down) = (
@@ -200,6 +298,24 @@ fn ffn_part<S: Kern, W: WeightElem>(
                 st.rows += 2;
                 st.active += 1;
             }
+            continue;
+        }
+        if n == 1 && is_float::<W>() {
+            // One token (a decode step): rows straight from memory.
+            let (gate, up, down) = (
+                &w.gate[i * r..(i + 1) * r],
+                &w.up[i * r..(i + 1) * r],
+                &w.down_t[i * r..(i + 1) * r],
+            );
+            let v = activate(act, dot_row(s, extra, gate, x));
+            st.rows += 1;
+            if threshold.is_some_and(|th| v.abs() <= th) {
+                continue;
+            }
+            let c = v * dot_row(s, extra, up, x);
+            axpy_row(s, extra, down, c, y);
+            st.rows += 2;
+            st.active += 1;
             continue;
         }
         dequant_row(s, extra, &w.gate[i * r..(i + 1) * r], &mut g);

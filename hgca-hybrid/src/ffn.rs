@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use hgca_cpu::{CpuBackend, FfnStats};
 use hgca_kernels::{
-    DenseFfnBackend, Error, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons, Result, check_len_of,
-    f16,
+    DenseFfnBackend, Error, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons, Result, WeightElem,
+    check_len_of, f16,
 };
 
 /// What one [`HybridFfn::forward`] call computed.
@@ -45,12 +45,14 @@ pub struct HybridFfnStats {
     pub cpu_time: Duration,
 }
 
-/// One layer's FFN split between a dense side and the CPU.
+/// One layer's FFN split between a dense side and the CPU: the cold
+/// neurons' rows stay in their format `W` (f16 by default, or a GGUF
+/// block format), the hot ones go to the dense side as f16.
 #[derive(Debug)]
-pub struct HybridFfn<D: DenseFfnBackend> {
+pub struct HybridFfn<D: DenseFfnBackend, W: WeightElem = f16> {
     dense: D,
     hot: D::Resident,
-    cold: FfnOwned<f16>,
+    cold: FfnOwned<W>,
     split: FfnSplit,
     cpu: CpuBackend,
     act: FfnAct,
@@ -58,9 +60,10 @@ pub struct HybridFfn<D: DenseFfnBackend> {
     d_model: usize,
 }
 
-impl<D: DenseFfnBackend> HybridFfn<D> {
-    /// Splits `w` (neuron-major f16): the neurons `hot` are made resident
-    /// on `dense`, the rest are gathered into the CPU's own matrices and
+impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
+    /// Splits `w` (neuron-major): the neurons `hot` are made resident on
+    /// `dense` (dequantised to f16 when `W` is not f16), the rest are
+    /// gathered into the CPU's own matrices (format `W`) and
     /// computed by `cpu` with `threshold` on `|act(gate·x)|` (0: every cold
     /// neuron whose activation is not exactly 0, which is the dense FFN's
     /// sum).
@@ -73,13 +76,13 @@ impl<D: DenseFfnBackend> HybridFfn<D> {
         dense: D,
         cpu: CpuBackend,
         act: FfnAct,
-        w: &FfnWeights<'_, f16>,
+        w: &FfnWeights<'_, W>,
         hot: &[u32],
         threshold: f32,
     ) -> Result<Self> {
         check_threshold(threshold)?;
         let split = FfnSplit::new(w.n_ff, hot)?;
-        let hot_w = FfnOwned::gather(w, split.hot())?;
+        let hot_w = to_f16(&FfnOwned::gather(w, split.hot())?.view())?;
         let resident = dense.upload_ffn(&hot_w.view())?;
         let cold = FfnOwned::gather(w, split.cold())?;
         Ok(Self {
@@ -175,7 +178,7 @@ impl<D: DenseFfnBackend> HybridFfn<D> {
         for (o, h) in out.iter_mut().zip(&hot_out) {
             *o += h;
         }
-        let row_bytes = (d * core::mem::size_of::<f16>()) as u64;
+        let row_bytes = (d / W::VALUES * core::mem::size_of::<W>()) as u64;
         Ok(HybridFfnStats {
             hot: n_hot * n,
             cold: st,
@@ -184,6 +187,18 @@ impl<D: DenseFfnBackend> HybridFfn<D> {
             cpu_time,
         })
     }
+}
+
+/// `w` in f16 (the dense side's format).
+fn to_f16<W: WeightElem>(w: &FfnWeights<'_, W>) -> Result<FfnOwned<f16>> {
+    let conv = |m: &[W]| {
+        let mut f = vec![0.0f32; m.len() * W::VALUES];
+        W::dequant_slice(m, &mut f);
+        f.iter().map(|&v| f16::from_f32(v)).collect::<Vec<f16>>()
+    };
+    let (g, u, dt) = (conv(w.gate), conv(w.up), conv(w.down_t));
+    let all: Vec<u32> = (0..w.n_ff as u32).collect();
+    FfnOwned::gather(&FfnWeights::new(w.d_model, w.n_ff, &g, &u, &dt)?, &all)
 }
 
 fn check_threshold(t: f32) -> Result<()> {

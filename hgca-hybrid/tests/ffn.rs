@@ -212,3 +212,44 @@ fn planner_takes_the_most_frequent_neurons_that_fit() {
         Err(Error::Param { .. })
     ));
 }
+
+/// Cold rows in a GGUF block format (Q8_0) stay in it on the CPU; hot rows
+/// go to the dense side as f16. With power-of-two block scales every
+/// dequantised value is exact in f16, so both sides see the same weights
+/// and the sum is the reference's, with and without a threshold.
+#[test]
+fn block_format_cold_side() {
+    use hgca_kernels::BlockQ8_0;
+    for (seed, (d, n_ff, n)) in [(64usize, 40usize, 1usize), (96, 75, 3), (32, 1, 2)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut p = FfnProblem::<BlockQ8_0>::random(d, n_ff, n, 50 + seed as u64);
+        for b in p.gate.iter_mut().chain(&mut p.up).chain(&mut p.down_t) {
+            let e = b.d.to_f32().log2().round();
+            b.d = f16::from_f32(e.exp2());
+        }
+        let w = p.weights().unwrap();
+        let mut rng = Rng::new(seed as u64);
+        let hot = random_hot(&mut rng, n_ff, 0.4);
+        let is_hot: Vec<bool> = (0..n_ff).map(|i| hot.contains(&(i as u32))).collect();
+        let cold: Vec<usize> = (0..n_ff).filter(|&i| !is_hot[i]).collect();
+        let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(FfnAct::Silu, t)).collect();
+        for t in [0.0, gap_threshold(&acts, &cold)] {
+            let ffn = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &hot, t as f32).unwrap();
+            let mut out = vec![f32::NAN; n * d];
+            let st = ffn.forward(&p.x, n, &mut out).unwrap();
+            let sets: Vec<Vec<usize>> = acts
+                .iter()
+                .map(|a| {
+                    (0..n_ff)
+                        .filter(|&i| is_hot[i] || t == 0.0 || a[i].abs() > t)
+                        .collect()
+                })
+                .collect();
+            p.check(FfnAct::Silu, &sets, &out).unwrap();
+            // Bytes counted in the block format: 34 bytes per 32 weights.
+            assert_eq!(st.cold_bytes, (st.cold.rows * d / 32 * 34) as u64);
+        }
+    }
+}

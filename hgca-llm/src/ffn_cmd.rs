@@ -13,7 +13,8 @@ use crate::factory::full_factory;
 use crate::load::{load, read_tokens};
 use crate::progress::bar;
 use hgca_llm::{
-    Error, LlamaWeights, NeuronProfile, PplOptions, Result, SparseFfn, perplexity, perplexity_with,
+    Error, FfnFormat, LlamaWeights, NeuronProfile, PplOptions, Result, SparseFfn, perplexity,
+    perplexity_with,
 };
 
 /// Options of the ffn command.
@@ -49,6 +50,27 @@ pub(crate) struct FfnArgs {
     /// profiling the calibration tokens).
     #[arg(long)]
     hot_sets: Option<PathBuf>,
+    /// Format of hgca's FFN weight copies.
+    #[arg(long, value_enum, default_value = "f16")]
+    ffn_format: FormatArg,
+}
+
+/// The format of hgca's FFN weight copies.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FormatArg {
+    /// f16.
+    F16,
+    /// GGUF Q8_0 blocks.
+    Q8_0,
+}
+
+impl From<FormatArg> for FfnFormat {
+    fn from(f: FormatArg) -> Self {
+        match f {
+            FormatArg::F16 => FfnFormat::F16,
+            FormatArg::Q8_0 => FfnFormat::Q8_0,
+        }
+    }
 }
 
 /// Options of the ffn-profile command.
@@ -101,6 +123,9 @@ pub(crate) struct PplFfnArgs {
     /// the hot sets from (default: the calibration tokens', at sparsity 0.5).
     #[arg(long)]
     hot_sets: Option<PathBuf>,
+    /// Hybrid FFN: format of hgca's weight copies.
+    #[arg(long, value_enum, default_value = "f16")]
+    ffn_format: FormatArg,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -178,7 +203,7 @@ pub(crate) fn ppl_ffn(
         None => NeuronProfile::measure(w, calib, 0.5)?,
     };
     let hot = profile.hot_sets(a.hot_ratio)?;
-    let mut ffn = SparseFfn::with_hot(w, hgca_llm::cpu_backend(), &hot)?;
+    let mut ffn = SparseFfn::with_hot(w, hgca_llm::cpu_backend(), &hot, a.ffn_format.into())?;
     match a.threshold {
         Some(t) => ffn.set_thresholds(&vec![t; hot.len()])?,
         None => ffn.calibrate(w, calib, a.ffn_sparsity)?,
@@ -236,7 +261,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
     let mut done = 1;
     for &r in &a.hot_ratio {
         let hot = profile.hot_sets(r)?;
-        let mut ffn = SparseFfn::with_hot(&w, cpu.clone(), &hot)?;
+        let mut ffn = SparseFfn::with_hot(&w, cpu.clone(), &hot, a.ffn_format.into())?;
         for (&s, t) in a.sparsity.iter().zip(&thresholds) {
             pb.set_message(format!("hot {r} sparsity {s}"));
             ffn.set_thresholds(t)?;
@@ -261,7 +286,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
     pb.finish_and_clear();
     let c = w.config();
     println!(
-        "\nFFN split and sparsity: {} tokens of {} from `{}` (one segment, chunks of 512, every prediction scored), exact attention; hot sets from {} (firing above each layer's {} quantile), placed across layers by the planner; cold thresholds on |silu(gate)| calibrated per layer on the {} tokens after the evaluated ones; weights {:?} (hgca's FFN: f16 copies, neuron-major; the CPU stands in for the dense side), {} layers x {} neurons",
+        "\nFFN split and sparsity: {} tokens of {} from `{}` (one segment, chunks of 512, every prediction scored), exact attention; hot sets from {} (firing above each layer's {} quantile), placed across layers by the planner; cold thresholds on |silu(gate)| calibrated per layer on the {} tokens after the evaluated ones; weights {:?} (hgca's FFN: {:?} copies, neuron-major; the CPU stands in for the dense side), {} layers x {} neurons",
         a.tokens,
         a.text.display(),
         a.from,
@@ -272,6 +297,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         profile.sparsity,
         a.calib,
         cli.weights,
+        a.ffn_format,
         c.n_layers,
         c.ffn_dim
     );
@@ -281,18 +307,20 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         dense.tokens_per_sec()
     );
     println!(
-        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token |"
+        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | CPU MB read per token | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let row_bytes = FfnFormat::from(a.ffn_format).row_bytes(c.dim) as f64;
     for (r, s, ppl, n) in rows {
         let per_eval = n.evals.max(1) as f64;
         let all = c.ffn_dim as f64 * per_eval;
         println!(
-            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {ppl:.3} | {:+.2}% | {} | {:.2} |",
+            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} |",
             100.0 * coverage(&profile, r)?,
             100.0 * n.active as f64 / all,
             100.0 * n.hot as f64 / all,
             100.0 * n.rows as f64 / (3.0 * all),
+            n.rows as f64 * row_bytes / (per_eval / c.n_layers as f64) / 1e6,
             100.0 * (ppl / dense.ppl - 1.0),
             zero_ppl.map_or("-".into(), |z| format!("{:+.2}%", 100.0 * (ppl / z - 1.0))),
             1e3 * n.time.as_secs_f64() / (per_eval / c.n_layers as f64),

@@ -42,7 +42,7 @@ pub use gguf::{Arch, GgufFile, LlamaConfig, check_header};
 pub use model::{BoxedAttention, LayerAttention, Llama, Logits, argmax, full_attention, log_prob};
 pub use ppl::{PplOptions, PplReport, perplexity, perplexity_with};
 pub use profile::Profile;
-pub use sparse_ffn::{FfnCount, NeuronProfile, SparseFfn};
+pub use sparse_ffn::{FfnCount, FfnFormat, NeuronProfile, SparseFfn};
 pub use threads::{CandleThreads, cpu_backend};
 pub use tokenizer::{ChatFormat, GgufTokenizer};
 pub use weights::{AUTO_DENSE_ROWS, LlamaWeights, WeightFormat};

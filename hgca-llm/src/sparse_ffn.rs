@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use hgca_cpu::CpuBackend;
-use hgca_hybrid::HybridFfn;
-use hgca_kernels::{FfnAct, FfnWeights, f16};
+use hgca_hybrid::{HybridFfn, HybridFfnStats};
+use hgca_kernels::{BlockQ8_0, FfnAct, FfnWeights, WeightElem, f16};
 
 use crate::model::{Llama, Logits};
 use crate::weights::LlamaWeights;
@@ -24,9 +24,50 @@ use crate::{Error, Result};
 pub struct SparseFfn {
     d: usize,
     n_ff: usize,
-    layers: Vec<HybridFfn<CpuBackend>>,
+    format: FfnFormat,
+    layers: Vec<Box<dyn LayerFfn>>,
     thresholds: Vec<f32>,
     count: std::sync::Mutex<FfnCount>,
+}
+
+/// The format of a [`SparseFfn`]'s weight copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FfnFormat {
+    /// f16 (2 bytes a weight).
+    #[default]
+    F16,
+    /// GGUF's Q8_0 blocks (34 bytes per 32 weights; the format candle's
+    /// decode matmuls use under the default `--weights auto`).
+    Q8_0,
+}
+
+impl FfnFormat {
+    /// Bytes of a row of `d` weights.
+    pub fn row_bytes(self, d: usize) -> usize {
+        match self {
+            FfnFormat::F16 => 2 * d,
+            FfnFormat::Q8_0 => d / 32 * size_of::<BlockQ8_0>(),
+        }
+    }
+}
+
+/// One layer's hybrid FFN, whatever its weight format.
+trait LayerFfn: std::fmt::Debug + Send + Sync {
+    fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<HybridFfnStats>;
+    fn set_threshold(&mut self, t: f32) -> Result<()>;
+    fn hot(&self) -> usize;
+}
+
+impl<W: WeightElem> LayerFfn for HybridFfn<CpuBackend, W> {
+    fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<HybridFfnStats> {
+        Ok(HybridFfn::forward(self, x, n, out)?)
+    }
+    fn set_threshold(&mut self, t: f32) -> Result<()> {
+        Ok(HybridFfn::set_threshold(self, t)?)
+    }
+    fn hot(&self) -> usize {
+        self.split().hot().len()
+    }
 }
 
 /// What a [`SparseFfn`] computed since it was made (or last reset).
@@ -209,16 +250,23 @@ impl SparseFfn {
     /// the weights.
     pub fn new(w: &LlamaWeights, cpu: CpuBackend) -> Result<Self> {
         let none = vec![Vec::new(); w.layers.len()];
-        Self::with_hot(w, cpu, &none)
+        Self::with_hot(w, cpu, &none, FfnFormat::F16)
     }
 
     /// As [`SparseFfn::new`], with `hot[layer]` the hot neurons of each
-    /// layer (from [`NeuronProfile::hot_sets`]).
+    /// layer (from [`NeuronProfile::hot_sets`]) and weight copies in
+    /// `format`.
     ///
     /// # Errors
     /// As [`SparseFfn::new`]; [`Error::Invalid`] for a list per layer
-    /// missing; typed kernel errors for a neuron out of range or repeated.
-    pub fn with_hot(w: &LlamaWeights, cpu: CpuBackend, hot: &[Vec<u32>]) -> Result<Self> {
+    /// missing; typed kernel errors for a neuron out of range or repeated,
+    /// or a model width that is not a multiple of 32 for Q8_0.
+    pub fn with_hot(
+        w: &LlamaWeights,
+        cpu: CpuBackend,
+        hot: &[Vec<u32>],
+        format: FfnFormat,
+    ) -> Result<Self> {
         silu_gated(w)?;
         let c = &w.config;
         if hot.len() != w.layers.len() {
@@ -229,7 +277,18 @@ impl SparseFfn {
         }
         let (d, ff) = (c.dim, c.ffn_dim);
         let to16 = |v: &[f32]| v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>();
-        let mut layers = Vec::with_capacity(w.layers.len());
+        let to_q8 = |v: &[f32]| {
+            v.chunks_exact(32)
+                .map(|c| BlockQ8_0::quantize(c.try_into().unwrap_or(&[0.0; 32])))
+                .collect::<Vec<_>>()
+        };
+        if format == FfnFormat::Q8_0 && !d.is_multiple_of(32) {
+            return Err(Error::invalid(
+                "ffn weights q8_0",
+                format!("model width {d} is not a multiple of 32"),
+            ));
+        }
+        let mut layers: Vec<Box<dyn LayerFfn>> = Vec::with_capacity(w.layers.len());
         for (l, h) in w.layers.iter().zip(hot) {
             let gu = l.gate_up.dense_f32()?;
             let dn = l.down.dense_f32()?; // [d, ff]
@@ -239,20 +298,25 @@ impl SparseFfn {
                     down_t[i * d + r] = dn[r * ff + i];
                 }
             }
-            let (g, u, dt) = (to16(&gu[..ff * d]), to16(&gu[ff * d..]), to16(&down_t));
-            let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
-            layers.push(HybridFfn::new(
-                cpu.clone(),
-                cpu.clone(),
-                FfnAct::Silu,
-                &fw,
-                h,
-                0.0,
-            )?);
+            let (g, u) = gu.split_at(ff * d);
+            let c2 = cpu.clone();
+            layers.push(match format {
+                FfnFormat::F16 => {
+                    let (g, u, dt) = (to16(g), to16(u), to16(&down_t));
+                    let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
+                    Box::new(HybridFfn::new(cpu.clone(), c2, FfnAct::Silu, &fw, h, 0.0)?)
+                }
+                FfnFormat::Q8_0 => {
+                    let (g, u, dt) = (to_q8(g), to_q8(u), to_q8(&down_t));
+                    let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
+                    Box::new(HybridFfn::new(cpu.clone(), c2, FfnAct::Silu, &fw, h, 0.0)?)
+                }
+            });
         }
         Ok(Self {
             d,
             n_ff: ff,
+            format,
             thresholds: vec![0.0; layers.len()],
             layers,
             count: std::sync::Mutex::new(FfnCount::default()),
@@ -304,7 +368,12 @@ impl SparseFfn {
 
     /// Hot neurons per layer.
     pub fn hot_counts(&self) -> Vec<usize> {
-        self.layers.iter().map(|l| l.split().hot().len()).collect()
+        self.layers.iter().map(|l| l.hot()).collect()
+    }
+
+    /// The format of the weight copies.
+    pub fn format(&self) -> FfnFormat {
+        self.format
     }
 
     /// What was computed so far.

@@ -482,7 +482,7 @@ fn sparse_ffn_matches_the_dense_ffn_at_sparsity_zero() {
 /// at one threshold, hot neurons only add to what the sparse FFN computes.
 #[test]
 fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
-    use hgca_llm::{NeuronProfile, SparseFfn};
+    use hgca_llm::{FfnFormat, NeuronProfile, SparseFfn};
     let dir = tempfile::tempdir().unwrap();
     let spec = SynthSpec {
         arch: hgca_llm::Arch::Qwen2,
@@ -528,16 +528,23 @@ fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
             .unwrap()
     };
     let evals = (48 * layers * ff) as u64;
-    // Threshold 0: the dense FFN (f16 weight copies), whatever the split.
-    for r in [0.25, 1.0] {
-        let ffn = Arc::new(SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(r).unwrap()).unwrap());
+    // Threshold 0: the dense FFN (f16 or Q8_0 weight copies), whatever the
+    // split.
+    for (r, fmt) in [
+        (0.25, FfnFormat::F16),
+        (1.0, FfnFormat::F16),
+        (0.25, FfnFormat::Q8_0),
+    ] {
+        let ffn =
+            Arc::new(SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(r).unwrap(), fmt).unwrap());
         let d = max_rel_diff(&run(&ffn), &dense);
         assert!(d < 2e-2 && d > 0.0, "hot {r}: {d}");
         let c = ffn.count();
         assert_eq!(c.hot, (r * evals as f64).round() as u64, "hot {r}");
     }
     // Every neuron hot: a high threshold skips nothing, no cold row is read.
-    let mut all = SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(1.0).unwrap()).unwrap();
+    let mut all =
+        SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(1.0).unwrap(), FfnFormat::F16).unwrap();
     all.set_thresholds(&vec![1e6; layers]).unwrap();
     let all = Arc::new(all);
     let d = max_rel_diff(&run(&all), &dense);
@@ -547,7 +554,7 @@ fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
     // the sparse FFN does, and all its hot neurons.
     let mut sparse = SparseFfn::new(&w, cpu.clone()).unwrap();
     sparse.calibrate(&w, &ids, 0.5).unwrap();
-    let mut hybrid = SparseFfn::with_hot(&w, cpu.clone(), &hot).unwrap();
+    let mut hybrid = SparseFfn::with_hot(&w, cpu.clone(), &hot, FfnFormat::F16).unwrap();
     hybrid.set_thresholds(sparse.thresholds()).unwrap();
     let (sparse, hybrid) = (Arc::new(sparse), Arc::new(hybrid));
     let (ys, yh) = (run(&sparse), run(&hybrid));
@@ -560,7 +567,7 @@ fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
         "hot neurons bring the output closer to the dense FFN"
     );
     assert!(matches!(
-        SparseFfn::with_hot(&w, cpu.clone(), &hot[..1]),
+        SparseFfn::with_hot(&w, cpu.clone(), &hot[..1], FfnFormat::F16),
         Err(Error::Invalid { .. })
     ));
     let mut bad = SparseFfn::new(&w, cpu).unwrap();
