@@ -2,7 +2,8 @@
 //! shape (d_model 896, 4864 neurons), four layers' weights taken in turn
 //! (a decode step reads each layer's once: the weights come from DRAM, as
 //! they do in a model), one token, active lists of 10%, 50% and 100% of the
-//! neurons at random, weights f16, Q8_0 and Q4_0; 1 and 2 threads.
+//! neurons at random, weights f16, Q8_0, Q4_0 and Q5_0 (Qwen2's gate and
+//! up format); 1 and 2 threads.
 //!
 //! Ids: `ffn/{isa}/{format}/list{pct}-t{threads}`. GB/s counts the bytes
 //! of the active neurons' three rows (the bytes the kernel must read);
@@ -12,7 +13,7 @@
 use criterion::Criterion;
 use hgca_benches::{Probe, Report, fill};
 use hgca_cpu::{CpuBackend, Isa, Par};
-use hgca_kernels::{BlockQ4_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, f16};
+use hgca_kernels::{BlockQ4_0, BlockQ5_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, f16};
 
 const D: usize = 896;
 const NFF: usize = 4864;
@@ -112,6 +113,12 @@ fn main() {
         &rep,
         isa,
         &layers(|r| blocks(r, BlockQ4_0::quantize)),
+    );
+    run(
+        &mut crit,
+        &rep,
+        isa,
+        &layers(|r| blocks(r, BlockQ5_0::quantize)),
     );
     rep.print(&probe, |_| None);
     crit.final_summary();

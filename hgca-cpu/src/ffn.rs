@@ -31,32 +31,43 @@ pub struct FfnStats {
     pub rows: usize,
 }
 
-/// Values dequantised at a time (one GGUF block; 32 floats).
+/// Values dequantised at a time: 32, or one block of a format with larger
+/// blocks (the K formats: 256).
 const CHUNK: usize = 32;
+/// The largest block of a format.
+const MAX_BLOCK: usize = 256;
+
+/// Values a block step takes for format `W`.
+#[inline(always)]
+const fn step_of<W: WeightElem>() -> usize {
+    if W::VALUES > CHUNK { W::VALUES } else { CHUNK }
+}
 
 /// `Σ_k row[k] x[k]` with `row` dequantised a block at a time, in 16
 /// lanes (for the block formats this measured faster than dequantising
 /// the whole row first).
 #[inline(always)]
 fn dot_blocks<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
-    let per = CHUNK / W::VALUES;
+    let step = step_of::<W>();
+    let per = step / W::VALUES;
     let mut acc = [0.0f32; 16];
-    let mut buf = [0.0f32; CHUNK];
+    let mut buf = [0.0f32; MAX_BLOCK];
     let full = row.len() / per;
-    for (c, xs) in row.chunks_exact(per).zip(x.chunks_exact(CHUNK)) {
-        for (e, o) in c.iter().zip(buf.chunks_exact_mut(W::VALUES)) {
+    for (c, xs) in row.chunks_exact(per).zip(x.chunks_exact(step)) {
+        for (e, o) in c.iter().zip(buf[..step].chunks_exact_mut(W::VALUES)) {
             e.dequant(o);
         }
-        for h in 0..2 {
+        for h in 0..step / 16 {
             for l in 0..16 {
                 acc[l] = buf[h * 16 + l].mul_add(xs[h * 16 + l], acc[l]);
             }
         }
     }
     let mut s = acc.iter().sum::<f32>();
-    // A tail of floats (the block formats have none: d_model is a multiple of 32).
-    let mut one = [0.0f32; CHUNK];
-    for (e, &xv) in row[full * per..].iter().zip(&x[full * CHUNK..]) {
+    // A tail of floats (the block formats have none: d_model is a multiple
+    // of their block).
+    let mut one = [0.0f32; MAX_BLOCK];
+    for (e, &xv) in row[full * per..].iter().zip(&x[full * step..]) {
         e.dequant(&mut one[..W::VALUES]);
         s = one[0].mul_add(xv, s);
     }
@@ -66,19 +77,20 @@ fn dot_blocks<W: WeightElem>(row: &[W], x: &[f32]) -> f32 {
 /// `y += a * row` with `row` dequantised on the fly.
 #[inline(always)]
 fn axpy_blocks<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
-    let per = CHUNK / W::VALUES;
-    let mut buf = [0.0f32; CHUNK];
+    let step = step_of::<W>();
+    let per = step / W::VALUES;
+    let mut buf = [0.0f32; MAX_BLOCK];
     let full = row.len() / per;
-    for (c, ys) in row.chunks_exact(per).zip(y.chunks_exact_mut(CHUNK)) {
-        for (e, o) in c.iter().zip(buf.chunks_exact_mut(W::VALUES)) {
+    for (c, ys) in row.chunks_exact(per).zip(y.chunks_exact_mut(step)) {
+        for (e, o) in c.iter().zip(buf[..step].chunks_exact_mut(W::VALUES)) {
             e.dequant(o);
         }
-        for (yv, &b) in ys.iter_mut().zip(&buf) {
+        for (yv, &b) in ys.iter_mut().zip(&buf[..step]) {
             *yv = b.mul_add(a, *yv);
         }
     }
-    let mut one = [0.0f32; CHUNK];
-    for (e, yv) in row[full * per..].iter().zip(&mut y[full * CHUNK..]) {
+    let mut one = [0.0f32; MAX_BLOCK];
+    for (e, yv) in row[full * per..].iter().zip(&mut y[full * step..]) {
         e.dequant(&mut one[..W::VALUES]);
         *yv = one[0].mul_add(a, *yv);
     }
@@ -385,6 +397,13 @@ impl CpuBackend {
         out: &mut [f32],
     ) -> Result<FfnStats> {
         let d = w.d_model;
+        if W::VALUES > MAX_BLOCK {
+            return Err(Error::Param {
+                what: "weight format block (values)",
+                value: W::VALUES as f64,
+                expected: "at most 256",
+            });
+        }
         check_len_of("x", &[n, d], x.len())?;
         check_len_of("out", &[n, d], out.len())?;
         let (list, threshold) = match neurons {

@@ -4,7 +4,10 @@
 //! (hot + cold = all), and typed errors for bad input.
 
 use hgca_cpu::{CpuBackend, Par};
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, FfnAct, Neurons, bf16, f16};
+use hgca_kernels::{
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, FfnAct, Neurons, bf16,
+    f16,
+};
 use hgca_testkit::Rng;
 use hgca_testkit::ffn::{FfnProblem, TestWeight};
 use proptest::prelude::*;
@@ -109,7 +112,10 @@ fn all_formats(
     case::<BlockQ8_0>(b, act, d32, n_ff, n, thr, seed)?;
     case::<BlockQ4_0>(b, act, d32, n_ff, n, thr, seed)?;
     case::<BlockQ4_1>(b, act, d32, n_ff, n, thr, seed)?;
-    case::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)
+    case::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)?;
+    let d256 = d.div_ceil(256).max(1) * 256;
+    case::<BlockQ4K>(b, act, d256, n_ff, n, thr, seed)?;
+    case::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)
 }
 
 /// (d_model, n_ff, tokens): widths around the 16 lanes and the 32-value

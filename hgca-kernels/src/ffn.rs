@@ -9,7 +9,7 @@
 //! transposed once at load), so that an active neuron reads three
 //! contiguous rows. A row is stored as floats (`f32`, `f16`, `bf16`) or in
 //! GGUF's block formats ([`BlockQ8_0`], [`BlockQ4_0`], [`BlockQ4_1`],
-//! [`BlockQ5_0`]: 32 values per block),
+//! [`BlockQ5_0`]: 32 values per block; [`BlockQ4K`], [`BlockQ6K`]: 256),
 //! dequantised on the fly.
 
 use crate::{Error, Result, bf16, check_len_of, f16};
@@ -291,6 +291,200 @@ impl BlockQ5_0 {
     }
 }
 
+/// GGUF's `Q4_K` block: 256 values in 8 sub-blocks of 32, value
+/// `d * sc_j * q - dmin * m_j` with 4-bit codes `q` and 6-bit sub-block
+/// scales `sc_j` and mins `m_j` packed in `scales` (sub-blocks 0..4: the
+/// low 6 bits of bytes `j` and `j + 4`; 4..8: a nibble of byte `j + 4`
+/// and the top 2 bits of bytes `j - 4` and `j`). Codes: each 32 bytes of
+/// `qs` hold a pair of sub-blocks, the first in the low nibbles.
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ4K {
+    /// The scale of the sub-block scales.
+    pub d: f16,
+    /// The scale of the sub-block mins.
+    pub dmin: f16,
+    /// The packed 6-bit scales and mins.
+    pub scales: [u8; 12],
+    /// The codes, two per byte.
+    pub qs: [u8; 128],
+}
+
+/// GGUF's `Q6_K` block: 256 values in 16 sub-blocks of 16, value
+/// `d * scales[j] * (q - 32)` with 6-bit codes `q`: in each half of 128
+/// values, value `32 k + l` (`k < 4`, `l < 32`) has its low 4 bits in byte
+/// `l` (`k` even) or `32 + l` (`k` odd) of the half's 64 `ql` bytes (low
+/// nibble for `k < 2`) and its top 2 bits at bit `2 k` of the half's `qh`
+/// byte `l`.
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct BlockQ6K {
+    /// Low 4 bits of the codes.
+    pub ql: [u8; 128],
+    /// Top 2 bits of the codes.
+    pub qh: [u8; 64],
+    /// Sub-block scales.
+    pub scales: [i8; 16],
+    /// The scale of the scales.
+    pub d: f16,
+}
+
+/// The scale and min of sub-block `j` of a [`BlockQ4K`].
+#[inline(always)]
+fn q4k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+impl WeightElem for BlockQ4K {
+    const VALUES: usize = 256;
+    const NAME: &'static str = "q4_k";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        for j in 0..4 {
+            let (s1, m1) = q4k_scale_min(2 * j, &self.scales);
+            let (s2, m2) = q4k_scale_min(2 * j + 1, &self.scales);
+            let (d1, o1) = (d * f32::from(s1), dmin * f32::from(m1));
+            let (d2, o2) = (d * f32::from(s2), dmin * f32::from(m2));
+            for (l, &q) in self.qs[32 * j..32 * j + 32].iter().enumerate() {
+                out[64 * j + l] = d1 * f32::from(q & 0x0F) - o1;
+                out[64 * j + 32 + l] = d2 * f32::from(q >> 4) - o2;
+            }
+        }
+    }
+}
+
+impl WeightElem for BlockQ6K {
+    const VALUES: usize = 256;
+    const NAME: &'static str = "q6_k";
+    #[inline(always)]
+    fn dequant(&self, out: &mut [f32]) {
+        let d = self.d.to_f32();
+        for h in 0..2 {
+            let (ql, qh) = (&self.ql[64 * h..64 * h + 64], &self.qh[32 * h..32 * h + 32]);
+            let sc = &self.scales[8 * h..8 * h + 8];
+            for l in 0..32 {
+                let q = [
+                    (ql[l] & 0x0F) | ((qh[l] & 3) << 4),
+                    (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                    (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                    (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                ];
+                for (k, &qk) in q.iter().enumerate() {
+                    let scale = d * f32::from(sc[l / 16 + 2 * k]);
+                    out[128 * h + 32 * k + l] = scale * f32::from(i16::from(qk) - 32);
+                }
+            }
+        }
+    }
+}
+
+impl BlockQ4K {
+    /// Quantises 256 values (a simple rule, not llama.cpp's search: per
+    /// sub-block the range from `min(0, min x)` to `max x` in 15 steps,
+    /// scales and mins in 6 bits of `d` and `dmin`).
+    pub fn quantize(x: &[f32; 256]) -> Self {
+        let mut scale = [0.0f32; 8];
+        let mut min = [0.0f32; 8];
+        for j in 0..8 {
+            let c = &x[32 * j..32 * j + 32];
+            let lo = c.iter().fold(0.0f32, |m, &v| m.min(v));
+            let hi = c.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            scale[j] = (hi - lo).max(0.0) / 15.0;
+            min[j] = -lo;
+        }
+        let d = scale.iter().fold(0.0f32, |m, &v| m.max(v)) / 63.0;
+        let dmin = min.iter().fold(0.0f32, |m, &v| m.max(v)) / 63.0;
+        let code6 = |v: f32, s: f32| {
+            if s > 0.0 {
+                (v / s).round().clamp(0.0, 63.0) as u8
+            } else {
+                0
+            }
+        };
+        let sc: [u8; 8] = std::array::from_fn(|j| code6(scale[j], d));
+        let mn: [u8; 8] = std::array::from_fn(|j| code6(min[j], dmin));
+        let mut scales = [0u8; 12];
+        for j in 0..4 {
+            scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            scales[j + 4] = mn[j] | ((mn[j + 4] >> 4) << 6);
+            scales[j + 8] = (sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4);
+        }
+        let (d16, dmin16) = (f16::from_f32(d), f16::from_f32(dmin));
+        let mut q = [0u8; 256];
+        for j in 0..8 {
+            let step = d16.to_f32() * f32::from(sc[j]);
+            let off = dmin16.to_f32() * f32::from(mn[j]);
+            for l in 0..32 {
+                let v = x[32 * j + l] + off;
+                q[32 * j + l] = if step > 0.0 {
+                    (v / step).round().clamp(0.0, 15.0) as u8
+                } else {
+                    0
+                };
+            }
+        }
+        let mut qs = [0u8; 128];
+        for j in 0..4 {
+            for l in 0..32 {
+                qs[32 * j + l] = q[64 * j + l] | (q[64 * j + 32 + l] << 4);
+            }
+        }
+        Self {
+            d: d16,
+            dmin: dmin16,
+            scales,
+            qs,
+        }
+    }
+}
+
+impl BlockQ6K {
+    /// Quantises 256 values (a simple rule: per sub-block of 16 the scale
+    /// `max |x| / 31`, stored as a multiple of `d` in 8 bits).
+    pub fn quantize(x: &[f32; 256]) -> Self {
+        let amax: [f32; 16] = std::array::from_fn(|j| {
+            x[16 * j..16 * j + 16]
+                .iter()
+                .fold(0.0f32, |m, v| m.max(v.abs()))
+        });
+        let big = amax.iter().fold(0.0f32, |m, &v| m.max(v)) / 31.0;
+        let d = f16::from_f32(big / 127.0);
+        let scales: [i8; 16] = std::array::from_fn(|j| {
+            if d.to_f32() > 0.0 {
+                (amax[j] / 31.0 / d.to_f32()).round().clamp(0.0, 127.0) as i8
+            } else {
+                0
+            }
+        });
+        let mut q = [32u8; 256];
+        for (i, qv) in q.iter_mut().enumerate() {
+            let s = d.to_f32() * f32::from(scales[i / 16]);
+            if s > 0.0 {
+                *qv = ((x[i] / s).round().clamp(-32.0, 31.0) + 32.0) as u8;
+            }
+        }
+        let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+        for h in 0..2 {
+            for l in 0..32 {
+                let v = |k: usize| q[128 * h + 32 * k + l];
+                ql[64 * h + l] = (v(0) & 0x0F) | ((v(2) & 0x0F) << 4);
+                ql[64 * h + 32 + l] = (v(1) & 0x0F) | ((v(3) & 0x0F) << 4);
+                qh[32 * h + l] =
+                    (v(0) >> 4) | ((v(1) >> 4) << 2) | ((v(2) >> 4) << 4) | ((v(3) >> 4) << 6);
+            }
+        }
+        Self { ql, qh, scales, d }
+    }
+}
+
 /// The three neuron-major weight matrices of one gated FFN, rows of
 /// `d_model / W::VALUES` elements.
 #[derive(Debug, Clone, Copy)]
@@ -324,7 +518,7 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
             return Err(Error::Param {
                 what: "d_model (a multiple of the weight format's block)",
                 value: d_model as f64,
-                expected: "a multiple of 32 for the block formats",
+                expected: "a multiple of 32 for the block formats, 256 for the K formats",
             });
         }
         let row = d_model / W::VALUES;
@@ -546,5 +740,54 @@ impl<T: DenseFfnBackend + ?Sized> DenseFfnBackend for &T {
 
     fn runs_beside_cpu(&self) -> bool {
         (**self).runs_beside_cpu()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Relative RMS error of quantising then dequantising `x` in `W`.
+    fn rms_error<W: WeightElem, const N: usize>(x: &[f32], q: fn(&[f32; N]) -> W) -> f64 {
+        let mut out = vec![0.0f32; x.len()];
+        for (c, o) in x.chunks_exact(N).zip(out.chunks_exact_mut(N)) {
+            q(c.try_into().unwrap()).dequant(o);
+        }
+        let err: f64 = x
+            .iter()
+            .zip(&out)
+            .map(|(&a, &b)| f64::from(a - b).powi(2))
+            .sum();
+        let all: f64 = x.iter().map(|&a| f64::from(a).powi(2)).sum();
+        (err / all).sqrt()
+    }
+
+    #[test]
+    fn quantisers_round_trip_within_their_precision() {
+        // A deterministic spread of values, magnitudes varying by block.
+        let x: Vec<f32> = (0..4096)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * (1 + i / 256 % 4) as f32)
+            .collect();
+        let e8 = rms_error(&x, BlockQ8_0::quantize);
+        let e40 = rms_error(&x, BlockQ4_0::quantize);
+        let e41 = rms_error(&x, BlockQ4_1::quantize);
+        let e50 = rms_error(&x, BlockQ5_0::quantize);
+        let e4k = rms_error(&x, BlockQ4K::quantize);
+        let e6k = rms_error(&x, BlockQ6K::quantize);
+        // Uniform values: about step / sqrt(12) over an RMS of range / sqrt(12).
+        assert!(e8 < 0.01, "q8_0 {e8}");
+        assert!(e50 < 0.04, "q5_0 {e50}");
+        assert!(e6k < 0.03, "q6_k {e6k}");
+        for (name, e) in [("q4_0", e40), ("q4_1", e41), ("q4_k", e4k)] {
+            assert!(e < 0.09, "{name} {e}");
+        }
+        assert!(e6k < e4k && e50 < e40 && e8 < e50);
+        // Zeros stay zeros.
+        let z = [0.0f32; 256];
+        let mut out = [1.0f32; 256];
+        BlockQ4K::quantize(&z).dequant(&mut out);
+        assert!(out.iter().all(|&v| v == 0.0));
+        BlockQ6K::quantize(&z).dequant(&mut out);
+        assert!(out.iter().all(|&v| v == 0.0));
     }
 }

@@ -46,8 +46,8 @@ pub use backend::{
 pub use dtype::{DType, KvElem};
 pub use error::{Cause, Error, Result, check_len, check_len_of, report, weights_not_requested};
 pub use ffn::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnOwned, FfnSplit,
-    FfnWeights, Neurons, WeightElem, check_neurons,
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, DenseFfnBackend, FfnAct,
+    FfnOwned, FfnSplit, FfnWeights, Neurons, WeightElem, check_neurons,
 };
 pub use half::{bf16, f16};
 pub use kv::{CpuStore, KvSlices, KvSource, KvStore, Selection, SelectionRef};

@@ -291,7 +291,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         a.text.display(),
         a.from,
         a.hot_sets.as_ref().map_or_else(
-            || format!("the calibration tokens' profile"),
+            || "the calibration tokens' profile".to_string(),
             |p| p.display().to_string()
         ),
         profile.sparsity,

@@ -1,15 +1,16 @@
 //! hgca's GGUF block types read the bytes candle (ggml's layout) writes:
-//! random rows quantised by candle to Q8_0, Q4_0, Q4_1 and Q5_0, their raw
+//! random rows quantised by candle to Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and
+//! Q6_K, their raw
 //! blocks cast to hgca's types and dequantised by hgca, against candle's
 //! own dequantisation (an independent implementation).
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, WeightElem};
+use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, WeightElem};
 use hgca_testkit::Rng;
 
 fn check<W: WeightElem>(dtype: GgmlDType) {
-    let (rows, cols) = (7, 96);
+    let (rows, cols) = (7, 512);
     let mut rng = Rng::new(42);
     // Values of several magnitudes, and a row of zeros.
     let v: Vec<f32> = (0..rows * cols)
@@ -59,4 +60,6 @@ fn block_types_match_candles_dequantisation() {
     check::<BlockQ4_0>(GgmlDType::Q4_0);
     check::<BlockQ4_1>(GgmlDType::Q4_1);
     check::<BlockQ5_0>(GgmlDType::Q5_0);
+    check::<BlockQ4K>(GgmlDType::Q4K);
+    check::<BlockQ6K>(GgmlDType::Q6K);
 }

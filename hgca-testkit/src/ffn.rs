@@ -3,8 +3,8 @@
 //! comparison of an output with the reference over the same active sets.
 
 use hgca_kernels::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, DenseFfnBackend, FfnAct, FfnWeights, Result,
-    WeightElem, bf16, f16,
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, DenseFfnBackend, FfnAct,
+    FfnWeights, Result, WeightElem, bf16, f16,
 };
 
 use crate::{Rng, within};
@@ -67,6 +67,22 @@ impl TestWeight for BlockQ5_0 {
     fn from_row(x: &[f32]) -> Vec<Self> {
         x.chunks_exact(32)
             .map(|c| BlockQ5_0::quantize(c.try_into().expect("32 values")))
+            .collect()
+    }
+}
+
+impl TestWeight for BlockQ4K {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(256)
+            .map(|c| BlockQ4K::quantize(c.try_into().expect("256 values")))
+            .collect()
+    }
+}
+
+impl TestWeight for BlockQ6K {
+    fn from_row(x: &[f32]) -> Vec<Self> {
+        x.chunks_exact(256)
+            .map(|c| BlockQ6K::quantize(c.try_into().expect("256 values")))
             .collect()
     }
 }
