@@ -60,6 +60,19 @@ fn gap_threshold(acts: &[Vec<f64>], cold: &[usize]) -> f64 {
     t
 }
 
+/// Per token, the neurons the reference sums: every hot one, and the cold
+/// ones that pass `t` (with threshold 0, every cold neuron: one whose
+/// activation is exactly 0 adds nothing either way).
+fn reference_sets(acts: &[Vec<f64>], is_hot: &[bool], t: f64) -> Vec<Vec<usize>> {
+    acts.iter()
+        .map(|a| {
+            (0..is_hot.len())
+                .filter(|&i| is_hot[i] || t == 0.0 || a[i].abs() > t)
+                .collect()
+        })
+        .collect()
+}
+
 /// One hybrid case: returns an error message on a mismatch.
 fn hybrid_case(
     act: FfnAct,
@@ -85,17 +98,7 @@ fn hybrid_case(
     let ffn = HybridFfn::new(cpu(), cpu(), act, &w, &hot, t as f32).map_err(|e| e.to_string())?;
     let mut out = vec![f32::NAN; n * d];
     let st = ffn.forward(&p.x, n, &mut out).map_err(|e| e.to_string())?;
-    // The reference's sets: every hot neuron, and the cold ones that pass
-    // (with threshold 0, every cold neuron: one whose activation is
-    // exactly 0 adds nothing either way).
-    let sets: Vec<Vec<usize>> = acts
-        .iter()
-        .map(|a| {
-            (0..n_ff)
-                .filter(|&i| is_hot[i] || t == 0.0 || a[i].abs() > t)
-                .collect()
-        })
-        .collect();
+    let sets = reference_sets(&acts, &is_hot, t);
     if st.hot != hot.len() * n {
         return Err(format!("{} hot pairs, want {}", st.hot, hot.len() * n));
     }
@@ -239,14 +242,7 @@ fn block_format_cold_side() {
             let ffn = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &hot, t as f32).unwrap();
             let mut out = vec![f32::NAN; n * d];
             let st = ffn.forward(&p.x, n, &mut out).unwrap();
-            let sets: Vec<Vec<usize>> = acts
-                .iter()
-                .map(|a| {
-                    (0..n_ff)
-                        .filter(|&i| is_hot[i] || t == 0.0 || a[i].abs() > t)
-                        .collect()
-                })
-                .collect();
+            let sets = reference_sets(&acts, &is_hot, t);
             p.check(FfnAct::Silu, &sets, &out).unwrap();
             // Bytes counted in the block format: 34 bytes per 32 weights.
             assert_eq!(st.cold_bytes, (st.cold.rows * d / 32 * 34) as u64);

@@ -151,6 +151,13 @@ impl WeightElem for BlockQ4_0 {
     }
 }
 
+/// The value of largest magnitude (the first of equals), with its sign.
+fn largest_magnitude(x: &[f32]) -> f32 {
+    x.iter()
+        .copied()
+        .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m })
+}
+
 impl BlockQ8_0 {
     /// Quantises 32 values (round to nearest, scale `max |x| / 127`).
     pub fn quantize(x: &[f32; 32]) -> Self {
@@ -168,11 +175,7 @@ impl BlockQ4_0 {
     /// Quantises 32 values (GGUF's rule: the value of largest magnitude
     /// maps to code 0, scale `that value / -8`).
     pub fn quantize(x: &[f32; 32]) -> Self {
-        let m = x
-            .iter()
-            .copied()
-            .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
-        let d = m / -8.0;
+        let d = largest_magnitude(x) / -8.0;
         let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
         let code = |v: f32| ((v * inv + 8.5) as i32).clamp(0, 15) as u8;
         let mut qs = [0u8; 16];
@@ -270,11 +273,7 @@ impl BlockQ5_0 {
     /// Quantises 32 values (GGUF's rule: the value of largest magnitude
     /// maps to code 0, scale `that value / -16`).
     pub fn quantize(x: &[f32; 32]) -> Self {
-        let m = x
-            .iter()
-            .copied()
-            .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m });
-        let d = m / -16.0;
+        let d = largest_magnitude(x) / -16.0;
         let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
         let code = |v: f32| ((v * inv + 16.5) as i32).clamp(0, 31) as u32;
         let (mut qs, mut qh) = ([0u8; 16], 0u32);

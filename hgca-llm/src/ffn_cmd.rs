@@ -53,6 +53,10 @@ pub(crate) struct FfnArgs {
     /// Format of hgca's FFN weight copies.
     #[arg(long, value_enum, default_value = "f16")]
     ffn_format: FormatArg,
+    /// Feed the tokens one per forward call (decode steps, where the FFN
+    /// reads every weight row per token) instead of chunks of 512.
+    #[arg(long)]
+    decode: bool,
 }
 
 /// The format of hgca's FFN weight copies.
@@ -221,6 +225,28 @@ pub(crate) fn ppl_ffn(
     Ok(Some(Arc::new(ffn)))
 }
 
+/// The FFN of a `ppl` run, in words.
+pub(crate) fn describe(ffn: Option<&SparseFfn>, a: &PplFfnArgs) -> String {
+    match ffn {
+        None => "dense (candle)".into(),
+        Some(f) => {
+            let c = f.count();
+            let all = (c.evals.max(1) * f.n_ff() as u64) as f64;
+            format!(
+                "hybrid ({:?} copies, {:.0}% of the neurons hot, cold thresholds {}): {:.1}% of the neurons computed, the CPU read {:.1}% of the FFN's weight rows",
+                f.format(),
+                100.0 * a.hot_ratio,
+                a.threshold.map_or_else(
+                    || format!("at sparsity {}", a.ffn_sparsity),
+                    |t| t.to_string()
+                ),
+                100.0 * c.active as f64 / all,
+                100.0 * c.rows as f64 / (3.0 * all)
+            )
+        }
+    }
+}
+
 /// Calibration tokens `ppl --ffn hybrid` needs after the evaluated ones.
 pub(crate) fn ppl_calib_tokens(a: &PplFfnArgs) -> usize {
     if a.ffn == FfnKind::Dense {
@@ -238,7 +264,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         context: a.tokens,
         chunk: 512,
         score_from: 0,
-        decode: false,
+        decode: a.decode,
     };
     let runs = a.sparsity.len() * a.hot_ratio.len();
     let pb = bar(a.tokens * (runs + 1));
@@ -246,6 +272,19 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
     let dense = perplexity(&w, ids, opts, full_factory(cli.kv), |d| {
         pb.set_position(d as u64)
     })?;
+    // candle's FFN time per token, the same way (the model's profile).
+    pb.set_message("dense FFN time");
+    let dense_ffn_ms = {
+        let mut llm = hgca_llm::Llama::with_full_attention::<f32>(Arc::clone(&w))?;
+        llm.set_profile(true);
+        let step = if a.decode { 1 } else { 512 };
+        for c in ids.chunks(step) {
+            llm.forward(c, hgca_llm::Logits::None)?;
+        }
+        llm.profile().map_or(f64::NAN, |p| {
+            1e3 * p.ffn.as_secs_f64() / p.tokens.max(1) as f64
+        })
+    };
     pb.set_message("profiles");
     let profile = match &a.hot_sets {
         Some(p) => read_profile(p)?,
@@ -280,7 +319,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
             if s == 0.0 && r == 0.0 {
                 zero_ppl = Some(rep.ppl);
             }
-            rows.push((r, s, rep.ppl, count));
+            rows.push((r, s, rep.ppl, count, rep.tokens_per_sec()));
         }
     }
     pb.finish_and_clear();
@@ -302,20 +341,25 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         c.ffn_dim
     );
     println!(
-        "dense FFN (candle, the model's weights): PPL {:.3}, {:.1} tok/s",
+        "dense FFN (candle, the model's weights): PPL {:.3}, {:.1} tok/s; its FFN (with the residual add) {dense_ffn_ms:.2} ms per token ({})",
         dense.ppl,
-        dense.tokens_per_sec()
+        dense.tokens_per_sec(),
+        if a.decode {
+            "decode steps"
+        } else {
+            "chunks of 512"
+        }
     );
     println!(
-        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | CPU MB read per token | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token |"
+        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | CPU MB read per token | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token (both sides) | of which the CPU's cold side | tok/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let row_bytes = FfnFormat::from(a.ffn_format).row_bytes(c.dim) as f64;
-    for (r, s, ppl, n) in rows {
+    for (r, s, ppl, n, tps) in rows {
         let per_eval = n.evals.max(1) as f64;
         let all = c.ffn_dim as f64 * per_eval;
         println!(
-            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} |",
+            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} | {:.2} | {tps:.1} |",
             100.0 * coverage(&profile, r)?,
             100.0 * n.active as f64 / all,
             100.0 * n.hot as f64 / all,
@@ -324,6 +368,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
             100.0 * (ppl / dense.ppl - 1.0),
             zero_ppl.map_or("-".into(), |z| format!("{:+.2}%", 100.0 * (ppl / z - 1.0))),
             1e3 * n.time.as_secs_f64() / (per_eval / c.n_layers as f64),
+            1e3 * n.cold_time.as_secs_f64() / (per_eval / c.n_layers as f64),
         );
     }
     Ok(())

@@ -147,7 +147,7 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         }
     }
     println!(
-        "\nPerplexity: the first {} tokens of {} from `{}`, context {context} (non-overlapping segments, each from an empty cache), chunk {}, scored from token {}{}, weights {:?}, KV {:?}, recovery {}",
+        "\nPerplexity: the first {} tokens of {} from `{}`, context {context} (non-overlapping segments, each from an empty cache), chunk {}, scored from token {}{}, weights {:?}, KV {:?}, recovery {}, FFN {}",
         ids.len(),
         a.text.display(),
         a.from,
@@ -156,7 +156,8 @@ pub(crate) fn cmd_ppl(cli: &Cli, a: &PplArgs) -> Result<()> {
         if a.decode { " (decode steps)" } else { "" },
         cli.weights,
         cli.kv,
-        a.recovery
+        a.recovery,
+        crate::ffn_cmd::describe(ffn.as_deref(), &a.ffn)
     );
     println!(
         "| attention | window (ratio) | beta | PPL | vs full | CPU entries selected | CPU bytes read vs full | heads dense | tok/s |"

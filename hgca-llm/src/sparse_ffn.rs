@@ -85,6 +85,9 @@ pub struct FfnCount {
     pub rows: u64,
     /// Time in the FFN (both sides).
     pub time: std::time::Duration,
+    /// Of which the CPU's (cold) side: with a GPU as the dense side, the
+    /// sides overlap and this is what the CPU adds.
+    pub cold_time: std::time::Duration,
 }
 
 /// Per layer and neuron, how often the neuron fires on a calibration text:
@@ -371,6 +374,11 @@ impl SparseFfn {
         self.layers.iter().map(|l| l.hot()).collect()
     }
 
+    /// Neurons per layer.
+    pub fn n_ff(&self) -> usize {
+        self.n_ff
+    }
+
     /// The format of the weight copies.
     pub fn format(&self) -> FfnFormat {
         self.format
@@ -397,6 +405,7 @@ impl SparseFfn {
         c.hot += st.hot as u64;
         c.rows += st.cold.rows as u64;
         c.time += t0.elapsed();
+        c.cold_time += st.cpu_time;
         debug_assert!(st.hot <= n * self.n_ff);
         Ok(out)
     }

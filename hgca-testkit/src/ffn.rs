@@ -39,53 +39,28 @@ impl TestWeight for bf16 {
     }
 }
 
-impl TestWeight for BlockQ8_0 {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(32)
-            .map(|c| BlockQ8_0::quantize(c.try_into().expect("32 values")))
-            .collect()
-    }
+/// `TestWeight` for GGUF block types: rows cut into blocks of `$n` values,
+/// each quantised by the type's own `quantize`.
+macro_rules! block_test_weight {
+    ($($t:ty: $n:literal),* $(,)?) => {$(
+        impl TestWeight for $t {
+            fn from_row(x: &[f32]) -> Vec<Self> {
+                x.chunks_exact($n)
+                    .map(|c| <$t>::quantize(c.try_into().expect("a whole block")))
+                    .collect()
+            }
+        }
+    )*};
 }
 
-impl TestWeight for BlockQ4_0 {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(32)
-            .map(|c| BlockQ4_0::quantize(c.try_into().expect("32 values")))
-            .collect()
-    }
-}
-
-impl TestWeight for BlockQ4_1 {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(32)
-            .map(|c| BlockQ4_1::quantize(c.try_into().expect("32 values")))
-            .collect()
-    }
-}
-
-impl TestWeight for BlockQ5_0 {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(32)
-            .map(|c| BlockQ5_0::quantize(c.try_into().expect("32 values")))
-            .collect()
-    }
-}
-
-impl TestWeight for BlockQ4K {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(256)
-            .map(|c| BlockQ4K::quantize(c.try_into().expect("256 values")))
-            .collect()
-    }
-}
-
-impl TestWeight for BlockQ6K {
-    fn from_row(x: &[f32]) -> Vec<Self> {
-        x.chunks_exact(256)
-            .map(|c| BlockQ6K::quantize(c.try_into().expect("256 values")))
-            .collect()
-    }
-}
+block_test_weight!(
+    BlockQ8_0: 32,
+    BlockQ4_0: 32,
+    BlockQ4_1: 32,
+    BlockQ5_0: 32,
+    BlockQ4K: 256,
+    BlockQ6K: 256,
+);
 
 /// Dequantises a matrix of rows.
 pub fn dequant<W: WeightElem>(m: &[W]) -> Vec<f32> {
