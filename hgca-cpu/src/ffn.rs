@@ -9,8 +9,8 @@
 //! a fixed order, so a call's result does not depend on scheduling.
 
 use hgca_kernels::{
-    DenseFfnBackend, Error, FfnAct, FfnOwned, FfnWeights, Neurons, Result, WeightElem, bf16,
-    check_len_of, check_neurons, f16,
+    BlockQ8_0, DenseFfnBackend, Error, FfnAct, FfnOwned, FfnWeights, Neurons, Result, WeightElem,
+    bf16, check_len_of, check_neurons, f16,
 };
 
 use pulp::Simd;
@@ -235,6 +235,43 @@ fn axpy_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], a: f32, y:
     }
 }
 
+/// Whether `W` is GGUF's Q8_0, whose codes the ISAs widen in registers.
+#[inline(always)]
+fn is_q8<W: WeightElem>() -> bool {
+    core::any::TypeId::of::<W>() == core::any::TypeId::of::<BlockQ8_0>()
+}
+
+/// `Σ_k row[k] x[k]` over Q8_0 blocks: per block `d Σ q_k x_k`, the codes
+/// widened in registers.
+#[inline(always)]
+fn dot_q8<S: Kern>(s: S, row: &[BlockQ8_0], x: &[f32]) -> f32 {
+    let lanes = S::F32_LANES;
+    let mut acc = s.splat_f32s(0.0);
+    for (b, xs) in row.iter().zip(x.chunks_exact(32)) {
+        let mut blk = s.splat_f32s(0.0);
+        for k in (0..32).step_by(lanes) {
+            let q = s.widen_i8(&b.qs[k..k + lanes]);
+            blk = s.mul_add_f32s(q, load(s, &xs[k..k + lanes]), blk);
+        }
+        acc = s.mul_add_f32s(blk, s.splat_f32s(b.d.to_f32()), acc);
+    }
+    s.reduce_sum_f32s(acc)
+}
+
+/// `y += a * row` over Q8_0 blocks, the codes widened in registers.
+#[inline(always)]
+fn axpy_q8<S: Kern>(s: S, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
+        let c = s.splat_f32s(a * b.d.to_f32());
+        for k in (0..32).step_by(lanes) {
+            let q = s.widen_i8(&b.qs[k..k + lanes]);
+            let r = s.mul_add_f32s(q, c, load(s, &ys[k..k + lanes]));
+            store(s, &mut ys[k..k + lanes], r);
+        }
+    }
+}
+
 #[inline(always)]
 fn activate(act: FfnAct, g: f32) -> f32 {
     match act {
@@ -290,6 +327,20 @@ fn ffn_part<S: Kern, W: WeightElem>(
                     s.prefetch(bytes[off..].as_ptr());
                 }
             }
+        }
+        if n == 1 && is_q8::<W>() {
+            // One token over Q8_0 rows: codes widened in registers.
+            let [gate, up, down] = rows_of(i).map(bytemuck::cast_slice::<W, BlockQ8_0>);
+            let v = activate(act, dot_q8(s, gate, x));
+            st.rows += 1;
+            if threshold.is_some_and(|th| v.abs() <= th) {
+                continue;
+            }
+            let c = v * dot_q8(s, up, x);
+            axpy_q8(s, down, c, y);
+            st.rows += 2;
+            st.active += 1;
+            continue;
         }
         if blocks {
             // Block formats: dequantised a block at a time inside each pass.

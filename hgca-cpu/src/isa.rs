@@ -302,6 +302,16 @@ pub trait Kern: Simd {
     fn widen_f16(self, extra: Self::Extra, src: &[f16]) -> Self::f32s;
     /// Widens `LANES` bf16 values to f32 (exact).
     fn widen_bf16(self, src: &[bf16]) -> Self::f32s;
+    /// Widens `LANES` i8 values to f32 (exact). The default goes through
+    /// memory; AVX2 and AVX-512 convert in registers.
+    #[inline(always)]
+    fn widen_i8(self, src: &[i8]) -> Self::f32s {
+        let mut t = [0.0f32; 16];
+        for (o, &v) in t.iter_mut().zip(&src[..Self::F32_LANES]) {
+            *o = f32::from(v);
+        }
+        load(self, &t)
+    }
     /// Hints the cache to fetch the line holding `p`. Never faults.
     #[inline(always)]
     fn prefetch(self, p: *const u8) {
@@ -483,6 +493,15 @@ mod x86 {
             }
         }
         #[inline(always)]
+        fn widen_i8(self, src: &[i8]) -> Self::f32s {
+            let src = &src[..16];
+            // SAFETY: 16 readable bytes (checked above); the V4 token proves AVX-512F.
+            unsafe {
+                let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(src.as_ptr().cast()));
+                pulp::cast(_mm512_cvtepi32_ps(v))
+            }
+        }
+        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: prefetch never dereferences architecturally, any address is allowed.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
@@ -512,6 +531,15 @@ mod x86 {
             unsafe {
                 let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(src.as_ptr().cast()));
                 pulp::cast(_mm256_slli_epi32::<16>(h))
+            }
+        }
+        #[inline(always)]
+        fn widen_i8(self, src: &[i8]) -> Self::f32s {
+            let src = &src[..8];
+            // SAFETY: 8 readable bytes (checked above); the V3 token proves AVX2.
+            unsafe {
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(src.as_ptr().cast()));
+                pulp::cast(_mm256_cvtepi32_ps(v))
             }
         }
         #[inline(always)]
