@@ -13,8 +13,6 @@ use hgca_kernels::{
     bf16, check_len_of, check_neurons, f16,
 };
 
-use pulp::Simd;
-
 use crate::CpuBackend;
 use crate::isa::{Kern, dispatch, load, store};
 
@@ -96,66 +94,19 @@ fn axpy_blocks<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
     }
 }
 
-/// `Σ_k a[k] b[k]` in f32 vectors (four accumulators), a scalar tail.
-#[inline(always)]
-fn dot<S: Simd>(s: S, a: &[f32], b: &[f32]) -> f32 {
-    let (ah, at) = S::as_simd_f32s(a);
-    let (bh, bt) = S::as_simd_f32s(&b[..a.len()]);
-    let mut acc = [s.splat_f32s(0.0); 4];
-    let mut ac = ah.chunks_exact(4);
-    let mut bc = bh.chunks_exact(4);
-    for (x, y) in (&mut ac).zip(&mut bc) {
-        for i in 0..4 {
-            acc[i] = s.mul_add_f32s(x[i], y[i], acc[i]);
-        }
-    }
-    for (&x, &y) in ac.remainder().iter().zip(bc.remainder()) {
-        acc[0] = s.mul_add_f32s(x, y, acc[0]);
-    }
-    let v = s.add_f32s(s.add_f32s(acc[0], acc[1]), s.add_f32s(acc[2], acc[3]));
-    let mut sum = s.reduce_sum_f32s(v);
-    for (&x, &y) in at.iter().zip(bt) {
-        sum = x.mul_add(y, sum);
-    }
-    sum
-}
-
-/// `y += a * x` in f32 vectors.
-#[inline(always)]
-fn axpy<S: Simd>(s: S, a: f32, x: &[f32], y: &mut [f32]) {
-    let av = s.splat_f32s(a);
-    let (xh, xt) = S::as_simd_f32s(x);
-    let (yh, yt) = S::as_mut_simd_f32s(&mut y[..x.len()]);
-    for (yv, &xv) in yh.iter_mut().zip(xh) {
-        *yv = s.mul_add_f32s(xv, av, *yv);
-    }
-    for (yv, &xv) in yt.iter_mut().zip(xt) {
-        *yv = xv.mul_add(a, *yv);
-    }
-}
-
 /// Dequantises one row of floats into `out` (`d` values) inside the ISA:
 /// half floats widen a vector at a time with the ISA's conversion (F16C,
 /// AVX-512, NEON's FCVTL). The block formats take [`dot_blocks`] instead.
 #[inline(always)]
 fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &mut [f32]) {
-    use core::any::TypeId;
     let lanes = S::F32_LANES;
-    let id = TypeId::of::<W>();
-    if id == TypeId::of::<f16>() || id == TypeId::of::<bf16>() || id == TypeId::of::<f32>() {
+    if is_float::<W>() {
         let full = row.len() / lanes * lanes;
         for (c, o) in row[..full]
             .chunks_exact(lanes)
             .zip(out.chunks_exact_mut(lanes))
         {
-            let v = if id == TypeId::of::<f16>() {
-                s.widen_f16(extra, bytemuck::cast_slice::<W, f16>(c))
-            } else if id == TypeId::of::<bf16>() {
-                s.widen_bf16(bytemuck::cast_slice::<W, bf16>(c))
-            } else {
-                load(s, bytemuck::cast_slice::<W, f32>(c))
-            };
-            store(s, o, v);
+            store(s, o, load_row(s, extra, c));
         }
         W::dequant_slice(&row[full..], &mut out[full..row.len()]);
     } else {
@@ -241,6 +192,12 @@ fn is_q8<W: WeightElem>() -> bool {
     core::any::TypeId::of::<W>() == core::any::TypeId::of::<BlockQ8_0>()
 }
 
+/// A row of `W` read as Q8_0 blocks (`W` is `BlockQ8_0`: [`is_q8`]).
+#[inline(always)]
+fn q8<W: WeightElem>(m: &[W]) -> &[BlockQ8_0] {
+    bytemuck::cast_slice(m)
+}
+
 /// `Σ_k row[k] x[k]` over Q8_0 blocks: per block `d Σ q_k x_k`, the codes
 /// widened in registers.
 #[inline(always)]
@@ -278,6 +235,31 @@ fn activate(act: FfnAct, g: f32) -> f32 {
         FfnAct::Silu => g / (1.0 + (-g).exp()),
         FfnAct::Relu => g.max(0.0),
     }
+}
+
+/// One neuron for one token (`x`, `y`: `d` values): its gate row's dot
+/// product decides (with a threshold), then its up row's, then its down
+/// row is added into `y`; `dot` and `axpy` read a row in its format.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn neuron<W: WeightElem>(
+    st: &mut FfnStats,
+    act: FfnAct,
+    threshold: Option<f32>,
+    [gate, up, down]: [&[W]; 3],
+    x: &[f32],
+    y: &mut [f32],
+    dot: impl Fn(&[W], &[f32]) -> f32,
+    axpy: impl Fn(&[W], f32, &mut [f32]),
+) {
+    let v = activate(act, dot(gate, x));
+    st.rows += 1;
+    if threshold.is_some_and(|th| v.abs() <= th) {
+        return;
+    }
+    axpy(down, v * dot(up, x), y);
+    st.rows += 2;
+    st.active += 1;
 }
 
 /// One part's neurons (`ids`) over the `n` tokens of `x`, added into `y`
@@ -328,63 +310,58 @@ fn ffn_part<S: Kern, W: WeightElem>(
                 }
             }
         }
+        let rows = rows_of(i);
         if n == 1 && is_q8::<W>() {
             // One token over Q8_0 rows: codes widened in registers.
-            let [gate, up, down] = rows_of(i).map(bytemuck::cast_slice::<W, BlockQ8_0>);
-            let v = activate(act, dot_q8(s, gate, x));
-            st.rows += 1;
-            if threshold.is_some_and(|th| v.abs() <= th) {
-                continue;
-            }
-            let c = v * dot_q8(s, up, x);
-            axpy_q8(s, down, c, y);
-            st.rows += 2;
-            st.active += 1;
+            neuron(
+                &mut st,
+                act,
+                threshold,
+                rows,
+                x,
+                y,
+                |m, x| dot_q8(s, q8(m), x),
+                |m, c, y| axpy_q8(s, q8(m), c, y),
+            );
             continue;
         }
         if blocks {
             // Block formats: dequantised a block at a time inside each pass.
-            let (gate, up, down) = (
-                &w.gate[i * r..(i + 1) * r],
-                &w.up[i * r..(i + 1) * r],
-                &w.down_t[i * r..(i + 1) * r],
-            );
             for t in 0..n {
-                let xt = &x[t * d..(t + 1) * d];
-                let v = activate(act, dot_blocks(gate, xt));
-                st.rows += 1;
-                if threshold.is_some_and(|th| v.abs() <= th) {
-                    continue;
-                }
-                let c = v * dot_blocks(up, xt);
-                axpy_blocks(down, c, &mut y[t * d..(t + 1) * d]);
-                st.rows += 2;
-                st.active += 1;
+                neuron(
+                    &mut st,
+                    act,
+                    threshold,
+                    rows,
+                    &x[t * d..(t + 1) * d],
+                    &mut y[t * d..(t + 1) * d],
+                    dot_blocks,
+                    axpy_blocks,
+                );
             }
             continue;
         }
         if n == 1 && is_float::<W>() {
-            // One token (a decode step): rows straight from memory.
-            let (gate, up, down) = (
-                &w.gate[i * r..(i + 1) * r],
-                &w.up[i * r..(i + 1) * r],
-                &w.down_t[i * r..(i + 1) * r],
+            // One float token (a decode step): rows straight from memory.
+            neuron(
+                &mut st,
+                act,
+                threshold,
+                rows,
+                x,
+                y,
+                |m, x| dot_row(s, extra, m, x),
+                |m, c, y| axpy_row(s, extra, m, c, y),
             );
-            let v = activate(act, dot_row(s, extra, gate, x));
-            st.rows += 1;
-            if threshold.is_some_and(|th| v.abs() <= th) {
-                continue;
-            }
-            let c = v * dot_row(s, extra, up, x);
-            axpy_row(s, extra, down, c, y);
-            st.rows += 2;
-            st.active += 1;
             continue;
         }
-        dequant_row(s, extra, &w.gate[i * r..(i + 1) * r], &mut g);
+        // Floats, a chunk of tokens: each row widened once into a buffer
+        // that serves every token.
+        let [gate, up, down] = rows;
+        dequant_row(s, extra, gate, &mut g);
         let mut any = false;
         for (t, at) in a.iter_mut().enumerate() {
-            let v = activate(act, dot(s, &g, &x[t * d..(t + 1) * d]));
+            let v = activate(act, dot_row(s, extra, &g, &x[t * d..(t + 1) * d]));
             let keep = !threshold.is_some_and(|th| v.abs() <= th);
             *at = if keep { v } else { f32::NAN };
             any |= keep;
@@ -393,14 +370,14 @@ fn ffn_part<S: Kern, W: WeightElem>(
         if !any {
             continue;
         }
-        dequant_row(s, extra, &w.up[i * r..(i + 1) * r], &mut u);
-        dequant_row(s, extra, &w.down_t[i * r..(i + 1) * r], &mut dn);
+        dequant_row(s, extra, up, &mut u);
+        dequant_row(s, extra, down, &mut dn);
         for (t, &at) in a.iter().enumerate() {
             if at.is_nan() {
                 continue;
             }
-            let c = at * dot(s, &u, &x[t * d..(t + 1) * d]);
-            axpy(s, c, &dn, &mut y[t * d..(t + 1) * d]);
+            let c = at * dot_row(s, extra, &u, &x[t * d..(t + 1) * d]);
+            axpy_row(s, extra, &dn, c, &mut y[t * d..(t + 1) * d]);
             st.rows += 2;
             st.active += 1;
         }
@@ -528,8 +505,13 @@ impl DenseFfnBackend for CpuBackend {
     type Resident = FfnOwned<f16>;
 
     fn upload_ffn(&self, w: &FfnWeights<'_, f16>) -> Result<Self::Resident> {
-        let all: Vec<u32> = (0..w.n_ff as u32).collect();
-        FfnOwned::gather(w, &all)
+        FfnOwned::new(
+            w.d_model,
+            w.n_ff,
+            w.gate.to_vec(),
+            w.up.to_vec(),
+            w.down_t.to_vec(),
+        )
     }
 
     fn dense_ffn(

@@ -9,22 +9,11 @@ use hgca_kernels::{
     f16,
 };
 use hgca_testkit::Rng;
-use hgca_testkit::ffn::{FfnProblem, TestWeight};
+use hgca_testkit::ffn::{FfnProblem, TestWeight, gap_threshold, random_subset};
 use proptest::prelude::*;
 
 mod common;
 use common::backend;
-
-/// A random subset of `0..n_ff` (about `share` of it), in random order.
-fn subset(rng: &mut Rng, n_ff: usize, share: f64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n_ff as u32)
-        .filter(|_| (rng.next_u64() % 1000) as f64 / 1000.0 < share)
-        .collect();
-    for i in (1..v.len()).rev() {
-        v.swap(i, rng.below(i + 1));
-    }
-    v
-}
 
 /// One case: a list (`threshold: None`) or a threshold chosen away from
 /// every activation (f32 and f64 then agree on each comparison).
@@ -43,24 +32,7 @@ fn case<W: TestWeight>(
     let mut out = vec![f32::NAN; n * d];
     let (sets, st) = if threshold {
         let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(act, t)).collect();
-        let mut all: Vec<f64> = acts.iter().flatten().map(|a| a.abs()).collect();
-        all.sort_by(f64::total_cmp);
-        // The midpoint of the widest gap near the middle: no activation is close to it.
-        let mut t = 0.0;
-        let mut best = -1.0;
-        let lo = all.len() / 4;
-        let hi = (3 * all.len() / 4)
-            .max(lo + 1)
-            .min(all.len().saturating_sub(1));
-        for k in lo..hi {
-            let gap = all[k + 1] - all[k];
-            if gap > best {
-                (best, t) = (gap, (all[k] + all[k + 1]) / 2.0);
-            }
-        }
-        if all.len() < 2 {
-            t = 0.5;
-        }
+        let t = gap_threshold(acts.iter().flatten().copied(), 0.5);
         let sets: Vec<Vec<usize>> = acts
             .iter()
             .map(|a| (0..n_ff).filter(|&i| a[i].abs() > t).collect())
@@ -70,7 +42,7 @@ fn case<W: TestWeight>(
             .map_err(|e| e.to_string())?;
         (sets, st)
     } else {
-        let list = subset(&mut rng, n_ff, 0.3);
+        let list = random_subset(&mut rng, n_ff, 0.3);
         let st = b
             .sparse_ffn(act, &w, &p.x, n, Neurons::List(&list), &mut out)
             .map_err(|e| e.to_string())?;
@@ -188,7 +160,7 @@ macro_rules! isa_suite {
                 let p = FfnProblem::<f16>::random(d, n_ff, n, 5);
                 let w = p.weights().unwrap();
                 let mut rng = Rng::new(6);
-                let hot = subset(&mut rng, n_ff, 0.2);
+                let hot = random_subset(&mut rng, n_ff, 0.2);
                 let cold: Vec<u32> = (0..n_ff as u32).filter(|i| !hot.contains(i)).collect();
                 let all: Vec<u32> = (0..n_ff as u32).collect();
                 let run = |l: &[u32]| {

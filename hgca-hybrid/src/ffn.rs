@@ -135,28 +135,21 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         check_len_of("x", &[n, d], x.len())?;
         check_len_of("out", &[n, d], out.len())?;
         let mut hot_out = vec![0.0f32; n * d];
-        let n_hot = self.split.hot().len();
         let dense = |o: &mut [f32]| -> Result<Duration> {
             let t = Instant::now();
-            if n_hot > 0 {
-                self.dense.dense_ffn(self.act, &self.hot, x, n, o)?;
-            }
+            self.dense.dense_ffn(self.act, &self.hot, x, n, o)?;
             Ok(t.elapsed())
         };
         let cold = |o: &mut [f32]| -> Result<(FfnStats, Duration)> {
             let t = Instant::now();
-            let st = if self.split.cold().is_empty() {
-                o.fill(0.0);
-                FfnStats::default()
+            let nb = if self.threshold > 0.0 {
+                Neurons::Threshold(self.threshold)
             } else {
-                let nb = if self.threshold > 0.0 {
-                    Neurons::Threshold(self.threshold)
-                } else {
-                    Neurons::All
-                };
-                self.cpu
-                    .sparse_ffn(self.act, &self.cold.view(), x, n, nb, o)?
+                Neurons::All
             };
+            let st = self
+                .cpu
+                .sparse_ffn(self.act, &self.cold.view(), x, n, nb, o)?;
             Ok((st, t.elapsed()))
         };
         let (dense_time, (st, cpu_time)) = if self.dense.runs_beside_cpu() {
@@ -180,7 +173,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         }
         let row_bytes = (d / W::VALUES * core::mem::size_of::<W>()) as u64;
         Ok(HybridFfnStats {
-            hot: n_hot * n,
+            hot: self.split.hot().len() * n,
             cold: st,
             cold_bytes: st.rows as u64 * row_bytes,
             dense_time,
@@ -196,9 +189,7 @@ fn to_f16<W: WeightElem>(w: &FfnWeights<'_, W>) -> Result<FfnOwned<f16>> {
         W::dequant_slice(m, &mut f);
         f.iter().map(|&v| f16::from_f32(v)).collect::<Vec<f16>>()
     };
-    let (g, u, dt) = (conv(w.gate), conv(w.up), conv(w.down_t));
-    let all: Vec<u32> = (0..w.n_ff as u32).collect();
-    FfnOwned::gather(&FfnWeights::new(w.d_model, w.n_ff, &g, &u, &dt)?, &all)
+    FfnOwned::new(w.d_model, w.n_ff, conv(w.gate), conv(w.up), conv(w.down_t))
 }
 
 fn check_threshold(t: f32) -> Result<()> {

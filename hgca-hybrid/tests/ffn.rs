@@ -9,7 +9,10 @@ use hgca_hybrid::HybridFfn;
 use hgca_hybrid::planner::plan_hot_neurons;
 use hgca_kernels::{Error, FfnAct, f16};
 use hgca_testkit::Rng;
-use hgca_testkit::ffn::{DENSE_FFN_EDGE, FfnProblem, check_dense_ffn, check_dense_ffn_errors};
+use hgca_testkit::ffn::{
+    DENSE_FFN_EDGE, FfnProblem, check_dense_ffn, check_dense_ffn_errors, gap_threshold,
+    random_subset,
+};
 use proptest::prelude::*;
 
 fn cpu() -> CpuBackend {
@@ -27,37 +30,14 @@ fn cpu_dense_side_matches_the_reference_on_the_edge_table() {
     check_dense_ffn_errors(&b).unwrap();
 }
 
-/// The hot list: about `share` of the neurons, in random order.
-fn random_hot(rng: &mut Rng, n_ff: usize, share: f64) -> Vec<u32> {
-    let mut v: Vec<u32> = (0..n_ff as u32)
-        .filter(|_| (rng.next_u64() % 1000) as f64 / 1000.0 < share)
-        .collect();
-    for i in (1..v.len()).rev() {
-        v.swap(i, rng.below(i + 1));
-    }
-    v
-}
-
-/// A threshold in the widest gap of the middle half of the cold neurons'
-/// `|act|` (so f32 and f64 agree on every comparison), or 0.
-fn gap_threshold(acts: &[Vec<f64>], cold: &[usize]) -> f64 {
-    let mut all: Vec<f64> = acts
-        .iter()
-        .flat_map(|a| cold.iter().map(|&i| a[i].abs()))
-        .collect();
-    if all.len() < 4 {
+/// The cold neurons' threshold: in a gap of their `|act|`, or 0 with
+/// fewer than four values.
+fn cold_threshold(acts: &[Vec<f64>], cold: &[usize]) -> f64 {
+    let vals = acts.iter().flat_map(|a| cold.iter().map(move |&i| a[i]));
+    if vals.clone().count() < 4 {
         return 0.0;
     }
-    all.sort_by(f64::total_cmp);
-    let (lo, hi) = (all.len() / 4, 3 * all.len() / 4);
-    let (mut best, mut t) = (-1.0, 0.0);
-    for k in lo..hi {
-        let gap = all[k + 1] - all[k];
-        if gap > best {
-            (best, t) = (gap, (all[k] + all[k + 1]) / 2.0);
-        }
-    }
-    t
+    gap_threshold(vals, 0.0)
 }
 
 /// Per token, the neurons the reference sums: every hot one, and the cold
@@ -86,12 +66,12 @@ fn hybrid_case(
     let p = FfnProblem::<f16>::random(d, n_ff, n, seed);
     let w = p.weights().map_err(|e| e.to_string())?;
     let mut rng = Rng::new(seed ^ 0x5eed);
-    let hot = random_hot(&mut rng, n_ff, share);
+    let hot = random_subset(&mut rng, n_ff, share);
     let is_hot: Vec<bool> = (0..n_ff).map(|i| hot.contains(&(i as u32))).collect();
     let cold: Vec<usize> = (0..n_ff).filter(|&i| !is_hot[i]).collect();
     let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(act, t)).collect();
     let t = if use_threshold {
-        gap_threshold(&acts, &cold)
+        cold_threshold(&acts, &cold)
     } else {
         0.0
     };
@@ -234,11 +214,11 @@ fn block_format_cold_side() {
         }
         let w = p.weights().unwrap();
         let mut rng = Rng::new(seed as u64);
-        let hot = random_hot(&mut rng, n_ff, 0.4);
+        let hot = random_subset(&mut rng, n_ff, 0.4);
         let is_hot: Vec<bool> = (0..n_ff).map(|i| hot.contains(&(i as u32))).collect();
         let cold: Vec<usize> = (0..n_ff).filter(|&i| !is_hot[i]).collect();
         let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(FfnAct::Silu, t)).collect();
-        for t in [0.0, gap_threshold(&acts, &cold)] {
+        for t in [0.0, cold_threshold(&acts, &cold)] {
             let ffn = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &hot, t as f32).unwrap();
             let mut out = vec![f32::NAN; n * d];
             let st = ffn.forward(&p.x, n, &mut out).unwrap();

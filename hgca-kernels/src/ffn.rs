@@ -630,12 +630,34 @@ impl FfnSplit {
 #[derive(Debug, Clone, PartialEq)]
 pub struct FfnOwned<W> {
     d_model: usize,
+    n_ff: usize,
     gate: Vec<W>,
     up: Vec<W>,
     down_t: Vec<W>,
 }
 
 impl<W: WeightElem> FfnOwned<W> {
+    /// Owned matrices of `n_ff` neurons.
+    ///
+    /// # Errors
+    /// As [`FfnWeights::new`].
+    pub fn new(
+        d_model: usize,
+        n_ff: usize,
+        gate: Vec<W>,
+        up: Vec<W>,
+        down_t: Vec<W>,
+    ) -> Result<Self> {
+        FfnWeights::new(d_model, n_ff, &gate, &up, &down_t)?;
+        Ok(Self {
+            d_model,
+            n_ff,
+            gate,
+            up,
+            down_t,
+        })
+    }
+
     /// The rows of `neurons` (in that order) of `w`: neuron `j` of the
     /// result is neuron `neurons[j]` of `w`.
     ///
@@ -651,20 +673,20 @@ impl<W: WeightElem> FfnOwned<W> {
             }
             v
         };
-        Ok(Self {
-            d_model: w.d_model,
-            gate: take(w.gate),
-            up: take(w.up),
-            down_t: take(w.down_t),
-        })
+        Self::new(
+            w.d_model,
+            neurons.len(),
+            take(w.gate),
+            take(w.up),
+            take(w.down_t),
+        )
     }
 
     /// The weights as a view.
     pub fn view(&self) -> FfnWeights<'_, W> {
-        let row = self.d_model / W::VALUES;
         FfnWeights {
             d_model: self.d_model,
-            n_ff: self.gate.len().checked_div(row).unwrap_or(0),
+            n_ff: self.n_ff,
             gate: &self.gate,
             up: &self.up,
             down_t: &self.down_t,
@@ -673,7 +695,7 @@ impl<W: WeightElem> FfnOwned<W> {
 
     /// Neurons held.
     pub fn n_ff(&self) -> usize {
-        self.view().n_ff
+        self.n_ff
     }
 
     /// Bytes of the three matrices.

@@ -146,10 +146,9 @@ fn read_profile(path: &Path) -> Result<NeuronProfile> {
     NeuronProfile::from_json(&s)
 }
 
-/// The share of (token, neuron) firings of `p` that the hot sets of
-/// `hot_ratio` hold.
-fn coverage(p: &NeuronProfile, hot_ratio: f64) -> Result<f64> {
-    let hot = p.hot_sets(hot_ratio)?;
+/// The share of (token, neuron) firings of `p` that the hot sets `hot`
+/// hold.
+fn coverage(p: &NeuronProfile, hot: &[Vec<u32>]) -> f64 {
     let all: f64 = p.freq.iter().flatten().map(|&f| f64::from(f)).sum();
     let held: f64 = hot
         .iter()
@@ -157,7 +156,7 @@ fn coverage(p: &NeuronProfile, hot_ratio: f64) -> Result<f64> {
         .map(|(h, f)| h.iter().map(|&i| f64::from(f[i as usize])).sum::<f64>())
         .sum();
     // `+ 0.0`: an empty sum is -0.0.
-    Ok(if all > 0.0 { held / all + 0.0 } else { 0.0 })
+    if all > 0.0 { held / all + 0.0 } else { 0.0 }
 }
 
 pub(crate) fn cmd_profile(cli: &Cli, a: &ProfileArgs) -> Result<()> {
@@ -188,7 +187,10 @@ pub(crate) fn cmd_profile(cli: &Cli, a: &ProfileArgs) -> Result<()> {
             .iter()
             .map(Vec::len)
             .fold((usize::MAX, 0), |(l, h), n| (l.min(n), h.max(n)));
-        println!("| {r} | {:.1}% | {lo} .. {hi} |", 100.0 * coverage(&p, r)?);
+        println!(
+            "| {r} | {:.1}% | {lo} .. {hi} |",
+            100.0 * coverage(&p, &hot)
+        );
     }
     Ok(())
 }
@@ -202,15 +204,22 @@ pub(crate) fn ppl_ffn(
     if a.ffn == FfnKind::Dense {
         return Ok(None);
     }
+    // One run over the calibration tokens: the profile (firing above the
+    // median) and the cold thresholds at `--ffn-sparsity`.
+    let mut m = NeuronProfile::measure_at(w, calib, &[0.5, a.ffn_sparsity])?;
+    let calibrated = m.pop().map(|p| p.thresholds).unwrap_or_default();
     let profile = match &a.hot_sets {
         Some(p) => read_profile(p)?,
-        None => NeuronProfile::measure(w, calib, 0.5)?,
+        None => m.pop().ok_or_else(|| Error::Invalid {
+            what: "neuron profile",
+            msg: "none measured".into(),
+        })?,
     };
     let hot = profile.hot_sets(a.hot_ratio)?;
     let mut ffn = SparseFfn::with_hot(w, hgca_llm::cpu_backend(), &hot, a.ffn_format.into())?;
     match a.threshold {
         Some(t) => ffn.set_thresholds(&vec![t; hot.len()])?,
-        None => ffn.calibrate(w, calib, a.ffn_sparsity)?,
+        None => ffn.set_thresholds(&calibrated)?,
     }
     eprintln!(
         "FFN: hybrid, {:.1}% of the neurons hot ({} .. {} a layer), cold thresholds {}",
@@ -286,20 +295,31 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         })
     };
     pb.set_message("profiles");
-    let profile = match &a.hot_sets {
-        Some(p) => read_profile(p)?,
-        None => NeuronProfile::measure(&w, calib, a.profile_sparsity)?,
+    // One run over the calibration tokens: the profile's level first, then
+    // the sparsity levels' thresholds.
+    let levels: Vec<f32> = std::iter::once(a.profile_sparsity)
+        .chain(a.sparsity.iter().copied())
+        .collect();
+    let mut measured = NeuronProfile::measure_at(&w, calib, &levels)?.into_iter();
+    let own = measured.next();
+    let thresholds: Vec<Vec<f32>> = measured.map(|p| p.thresholds).collect();
+    let profile = match (&a.hot_sets, own) {
+        (Some(p), _) => read_profile(p)?,
+        (None, Some(p)) => p,
+        (None, None) => {
+            return Err(Error::Invalid {
+                what: "neuron profile",
+                msg: "none measured".into(),
+            });
+        }
     };
-    let mut thresholds = Vec::new();
-    for &s in &a.sparsity {
-        thresholds.push(NeuronProfile::measure(&w, calib, s)?.thresholds);
-    }
     let cpu = hgca_llm::cpu_backend();
     let mut rows = Vec::new();
     let mut zero_ppl = None;
     let mut done = 1;
     for &r in &a.hot_ratio {
         let hot = profile.hot_sets(r)?;
+        let held = coverage(&profile, &hot);
         let mut ffn = SparseFfn::with_hot(&w, cpu.clone(), &hot, a.ffn_format.into())?;
         for (&s, t) in a.sparsity.iter().zip(&thresholds) {
             pb.set_message(format!("hot {r} sparsity {s}"));
@@ -319,7 +339,7 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
             if s == 0.0 && r == 0.0 {
                 zero_ppl = Some(rep.ppl);
             }
-            rows.push((r, s, rep.ppl, count, rep.tokens_per_sec()));
+            rows.push((r, held, s, rep.ppl, count, rep.tokens_per_sec()));
         }
     }
     pb.finish_and_clear();
@@ -355,12 +375,12 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let row_bytes = FfnFormat::from(a.ffn_format).row_bytes(c.dim) as f64;
-    for (r, s, ppl, n, tps) in rows {
+    for (r, held, s, ppl, n, tps) in rows {
         let per_eval = n.evals.max(1) as f64;
         let all = c.ffn_dim as f64 * per_eval;
         println!(
             "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} | {:.2} | {tps:.1} |",
-            100.0 * coverage(&profile, r)?,
+            100.0 * held,
             100.0 * n.active as f64 / all,
             100.0 * n.hot as f64 / all,
             100.0 * n.rows as f64 / (3.0 * all),

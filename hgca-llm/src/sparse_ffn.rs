@@ -26,7 +26,6 @@ pub struct SparseFfn {
     n_ff: usize,
     format: FfnFormat,
     layers: Vec<Box<dyn LayerFfn>>,
-    thresholds: Vec<f32>,
     count: std::sync::Mutex<FfnCount>,
 }
 
@@ -54,6 +53,7 @@ impl FfnFormat {
 /// One layer's hybrid FFN, whatever its weight format.
 trait LayerFfn: std::fmt::Debug + Send + Sync {
     fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<HybridFfnStats>;
+    fn threshold(&self) -> f32;
     fn set_threshold(&mut self, t: f32) -> Result<()>;
     fn hot(&self) -> usize;
 }
@@ -61,6 +61,9 @@ trait LayerFfn: std::fmt::Debug + Send + Sync {
 impl<W: WeightElem> LayerFfn for HybridFfn<CpuBackend, W> {
     fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) -> Result<HybridFfnStats> {
         Ok(HybridFfn::forward(self, x, n, out)?)
+    }
+    fn threshold(&self) -> f32 {
+        HybridFfn::threshold(self)
     }
     fn set_threshold(&mut self, t: f32) -> Result<()> {
         Ok(HybridFfn::set_threshold(self, t)?)
@@ -115,10 +118,25 @@ impl NeuronProfile {
     /// [`Error::Invalid`] for a sparsity outside `[0, 1)`, no tokens, or a
     /// model whose FFN is not SiLU-gated; model errors.
     pub fn measure(weights: &Arc<LlamaWeights>, tokens: &[u32], sparsity: f32) -> Result<Self> {
-        if !(0.0..1.0).contains(&sparsity) {
+        let mut v = Self::measure_at(weights, tokens, &[sparsity])?;
+        v.pop()
+            .ok_or_else(|| Error::invalid("ffn sparsity", "no level"))
+    }
+
+    /// [`NeuronProfile::measure`] at several sparsity levels, from one run
+    /// of the model (one profile per level, in order).
+    ///
+    /// # Errors
+    /// As [`NeuronProfile::measure`], for any level.
+    pub fn measure_at(
+        weights: &Arc<LlamaWeights>,
+        tokens: &[u32],
+        sparsities: &[f32],
+    ) -> Result<Vec<Self>> {
+        if let Some(&s) = sparsities.iter().find(|s| !(0.0..1.0).contains(*s)) {
             return Err(Error::invalid(
                 "ffn sparsity",
-                format!("{sparsity} is not in [0, 1)"),
+                format!("{s} is not in [0, 1)"),
             ));
         }
         if tokens.is_empty() {
@@ -132,39 +150,49 @@ impl NeuronProfile {
             llm.forward(c, Logits::None)?;
         }
         let rec = llm.record.take().unwrap_or_default();
-        let mut thresholds = Vec::with_capacity(rec.len());
-        let mut freq = Vec::with_capacity(rec.len());
-        for v in rec {
-            // The quantile from every 7th value (enough, and a cheap sort).
-            let mut sample: Vec<f32> = v.iter().step_by(7).copied().collect();
-            sample.sort_by(f32::total_cmp);
-            let t = if sparsity == 0.0 {
-                0.0
-            } else {
-                sample
-                    .get(((sample.len() as f64) * f64::from(sparsity)) as usize)
-                    .copied()
-                    .unwrap_or(0.0)
-            };
-            let mut f = vec![0.0f32; n_ff];
-            for row in v.chunks_exact(n_ff) {
-                for (c, &a) in f.iter_mut().zip(row) {
-                    if a > t {
-                        *c += 1.0;
+        // Per layer, the quantiles from every 7th value (enough, and a
+        // cheap sort).
+        let samples: Vec<Vec<f32>> = rec
+            .iter()
+            .map(|v| {
+                let mut s: Vec<f32> = v.iter().step_by(7).copied().collect();
+                s.sort_by(f32::total_cmp);
+                s
+            })
+            .collect();
+        let profile = |sparsity: f32| {
+            let mut thresholds = Vec::with_capacity(rec.len());
+            let mut freq = Vec::with_capacity(rec.len());
+            for (v, sample) in rec.iter().zip(&samples) {
+                let t = if sparsity == 0.0 {
+                    0.0
+                } else {
+                    sample
+                        .get(((sample.len() as f64) * f64::from(sparsity)) as usize)
+                        .copied()
+                        .unwrap_or(0.0)
+                };
+                let mut f = vec![0.0f32; n_ff];
+                for row in v.chunks_exact(n_ff) {
+                    for (c, &a) in f.iter_mut().zip(row) {
+                        if a > t {
+                            *c += 1.0;
+                        }
                     }
                 }
+                let n = (v.len() / n_ff).max(1) as f32;
+                f.iter_mut().for_each(|c| *c /= n);
+                thresholds.push(t);
+                freq.push(f);
             }
-            let n = (v.len() / n_ff).max(1) as f32;
-            f.iter_mut().for_each(|c| *c /= n);
-            thresholds.push(t);
-            freq.push(f);
-        }
-        Ok(Self {
-            tokens: tokens.len(),
-            sparsity,
-            thresholds,
-            freq,
-        })
+            Self {
+                tokens: tokens.len(),
+                sparsity,
+                thresholds,
+                freq,
+            }
+        };
+        Ok(sparsities.iter().map(|&s| profile(s)).collect())
     }
 
     /// Each layer's hot neurons when the dense side holds `hot_ratio` of
@@ -320,7 +348,6 @@ impl SparseFfn {
             d,
             n_ff: ff,
             format,
-            thresholds: vec![0.0; layers.len()],
             layers,
             count: std::sync::Mutex::new(FfnCount::default()),
         })
@@ -360,13 +387,12 @@ impl SparseFfn {
         for (l, &v) in self.layers.iter_mut().zip(t) {
             l.set_threshold(v)?;
         }
-        self.thresholds = t.to_vec();
         Ok(())
     }
 
     /// The per-layer thresholds.
-    pub fn thresholds(&self) -> &[f32] {
-        &self.thresholds
+    pub fn thresholds(&self) -> Vec<f32> {
+        self.layers.iter().map(|l| l.threshold()).collect()
     }
 
     /// Hot neurons per layer.
@@ -406,7 +432,6 @@ impl SparseFfn {
         c.rows += st.cold.rows as u64;
         c.time += t0.elapsed();
         c.cold_time += st.cpu_time;
-        debug_assert!(st.hot <= n * self.n_ff);
         Ok(out)
     }
 }

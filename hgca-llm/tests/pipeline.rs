@@ -555,7 +555,7 @@ fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
     let mut sparse = SparseFfn::new(&w, cpu.clone()).unwrap();
     sparse.calibrate(&w, &ids, 0.5).unwrap();
     let mut hybrid = SparseFfn::with_hot(&w, cpu.clone(), &hot, FfnFormat::F16).unwrap();
-    hybrid.set_thresholds(sparse.thresholds()).unwrap();
+    hybrid.set_thresholds(&sparse.thresholds()).unwrap();
     let (sparse, hybrid) = (Arc::new(sparse), Arc::new(hybrid));
     let (ys, yh) = (run(&sparse), run(&hybrid));
     let (cs, ch) = (sparse.count(), hybrid.count());

@@ -234,3 +234,36 @@ pub fn check_dense_ffn_errors<B: DenseFfnBackend>(b: &B) -> std::result::Result<
     }
     Ok(())
 }
+
+/// A random subset of `0..n` (about `share` of it), in random order: an
+/// active list, or a hot set.
+pub fn random_subset(rng: &mut Rng, n: usize, share: f64) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..n as u32)
+        .filter(|_| (rng.next_u64() % 1000) as f64 / 1000.0 < share)
+        .collect();
+    for i in (1..v.len()).rev() {
+        v.swap(i, rng.below(i + 1));
+    }
+    v
+}
+
+/// A threshold on `|act|` in the widest gap of the middle half of the
+/// magnitudes `acts` (so an f32 kernel and the f64 reference agree on
+/// every comparison with it); `fallback` with fewer than two values.
+pub fn gap_threshold(acts: impl IntoIterator<Item = f64>, fallback: f64) -> f64 {
+    let mut all: Vec<f64> = acts.into_iter().map(f64::abs).collect();
+    if all.len() < 2 {
+        return fallback;
+    }
+    all.sort_by(f64::total_cmp);
+    let lo = all.len() / 4;
+    let hi = (3 * all.len() / 4).max(lo + 1).min(all.len() - 1);
+    let (mut best, mut t) = (-1.0, fallback);
+    for k in lo..hi {
+        let gap = all[k + 1] - all[k];
+        if gap > best {
+            (best, t) = (gap, (all[k] + all[k + 1]) / 2.0);
+        }
+    }
+    t
+}
