@@ -5,7 +5,7 @@
 # the next context), so a slow or noisy spell of the machine hits all three.
 #
 #   bash scripts/bench-vs-llamacpp.sh [--model smollm2|qwen2|gemma3] [--contexts 2048,8192]
-#        [--threads N] [--decode N] [--reps N] [--build-only]
+#        [--threads N] [--decode N] [--reps N] [--weights auto|native|...] [--build-only]
 #
 # llama.cpp is built once from the llama-cpp-python 0.3.36 sdist (it vendors
 # llama.cpp) with cmake and ninja from PyPI, into target/llamacpp (git-ignored).
@@ -24,6 +24,7 @@ contexts=""
 threads="$(nproc)"
 decode=32
 reps=1
+weights=""
 build_only=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -32,6 +33,7 @@ while [[ $# -gt 0 ]]; do
         --threads) threads="$2"; shift 2 ;;
         --decode) decode="$2"; shift 2 ;;
         --reps) reps="$2"; shift 2 ;;
+        --weights) weights="$2"; shift 2 ;;
         --build-only) build_only=1; shift ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
@@ -89,7 +91,7 @@ ll_rate() { # args: -p N -n M -d D
 }
 # hgca-llm speed: "time to first token: Xs ..." and "decode: ... = Y tok/s".
 hg_run() { # args: context attn
-    "$hgca" --model "$gguf" --threads "$threads" --kv f16 speed --text "$text" \
+    "$hgca" --model "$gguf" --threads "$threads" --kv f16 ${weights:+--weights "$weights"} speed --text "$text" \
         --context "$1" --decode "$decode" --attn "$2" 2>>"$log" | tee -a "$log"
 }
 hg_ttft() { sed -n 's/^time to first token: \([0-9.]*\)s.*/\1/p'; }
@@ -119,7 +121,7 @@ PY
 done
 echo
 echo "$(basename "$gguf"), $threads threads, KV f16, decode $decode tokens, llama-bench -fa 1 -r $reps;"
-echo "hgca-llm speed (weights auto, hybrid: window ratio 0.25, mass:0.9). Ratios: hgca / llama.cpp."
+echo "hgca-llm speed (weights ${weights:-default}, hybrid: window ratio 0.25, mass:0.9). Ratios: hgca / llama.cpp."
 echo "| context | llama.cpp decode tok/s | hgca full | hgca hybrid | llama.cpp TTFT s | hgca full TTFT s | hgca hybrid TTFT s |"
 echo "|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

@@ -64,26 +64,19 @@ fn run<W: WeightElem>(crit: &mut Criterion, rep: &Report, isa: &str, ws: &[[Vec<
                 .map(|w| w.iter().map(|m| m.len() * size_of::<W>()).sum::<usize>())
                 .sum();
             let id = format!("ffn/{isa}/{}/list{pct}-t{threads}", W::NAME);
-            let mut g = crit.benchmark_group("ffn");
-            g.sample_size(10);
             let mut layer = 0;
-            g.bench_function(&id, |b| {
-                b.iter_custom(|iters| {
-                    rep.time(&id, bytes, set, threads, 10, iters, || {
-                        layer = (layer + 1) % LAYERS;
-                        cpu.sparse_ffn(
-                            FfnAct::Silu,
-                            &weights[layer],
-                            &x,
-                            1,
-                            Neurons::List(&list),
-                            &mut out,
-                        )
-                        .expect("a valid call");
-                    })
-                })
+            rep.bench(crit, "ffn", &id, (bytes, set, threads), || {
+                layer = (layer + 1) % LAYERS;
+                cpu.sparse_ffn(
+                    FfnAct::Silu,
+                    &weights[layer],
+                    &x,
+                    1,
+                    Neurons::List(&list),
+                    &mut out,
+                )
+                .expect("a valid call");
             });
-            g.finish();
         }
     }
 }

@@ -356,6 +356,25 @@ impl Row {
 pub struct Report(Mutex<BTreeMap<String, Row>>);
 
 impl Report {
+    /// Benchmarks `f` under `id` in criterion group `group` (10 samples),
+    /// recording each sample for the report: `bytes` per call over a
+    /// working set of `working_set` bytes, on `threads` threads.
+    pub fn bench(
+        &self,
+        crit: &mut criterion::Criterion,
+        group: &str,
+        id: &str,
+        (bytes, working_set, threads): (u64, usize, usize),
+        mut f: impl FnMut(),
+    ) {
+        let mut g = crit.benchmark_group(group);
+        g.sample_size(10);
+        g.bench_function(id, |b| {
+            b.iter_custom(|iters| self.time(id, bytes, working_set, threads, 10, iters, &mut f))
+        });
+        g.finish();
+    }
+
     /// Times `iters` calls of `f` for criterion and records them under `id`;
     /// `samples` is the group's sample size (the report keeps that many of
     /// the last calls: criterion's measurement, not its warm-up).

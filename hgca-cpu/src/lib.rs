@@ -21,6 +21,7 @@ pub mod isa;
 mod kernel;
 mod plan;
 mod prefill;
+mod qdot;
 mod select;
 mod window;
 
@@ -28,5 +29,6 @@ pub use backend::{CpuBackend, Executor, Par};
 pub use batch::{BatchTokens, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
+pub use qdot::{DotBlock, DotKind, Q8Acts};
 pub use select::{INT8_TILE, Int4Keys, Int8Keys, quantize_i4, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

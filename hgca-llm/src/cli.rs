@@ -14,7 +14,7 @@ pub(crate) struct Cli {
     #[arg(long, global = true, default_value = hgca_llm::DEFAULT_MODEL)]
     pub(crate) model: PathBuf,
     /// Weight format of the projections.
-    #[arg(long, global = true, value_enum, default_value_t = Weights::Auto)]
+    #[arg(long, global = true, value_enum, default_value_t = Weights::Native)]
     pub(crate) weights: Weights,
     /// Compute threads of candle's matmuls and hgca's attention, which run
     /// on the same (candle's) threads; 0: every core this process may use.
@@ -162,6 +162,9 @@ pub(crate) enum Weights {
     Q8,
     /// Q8_0 copy for decoding, f32 copy for prefill chunks.
     Auto,
+    /// The GGUF's own blocks for decoding (hgca's kernels for Q4_0, Q4_1,
+    /// Q5_0, Q8_0; candle's for the K formats), f32 copy for prefill chunks.
+    Native,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -31,6 +31,7 @@ pub(crate) fn load(cli: &Cli) -> Result<(GgufTokenizer, Arc<LlamaWeights>)> {
         Weights::F32 => WeightFormat::F32,
         Weights::Q8 => WeightFormat::Q8,
         Weights::Auto => WeightFormat::Auto,
+        Weights::Native => WeightFormat::Native,
     };
     let w = LlamaWeights::load(&mut f, format)?;
     let c = w.config();

@@ -1,0 +1,473 @@
+//! Matrix-vector products over GGUF's 32-value weight blocks (Q4_0, Q4_1,
+//! Q5_0, Q8_0) with the activations quantised to Q8_0 blocks: the decode
+//! path of a quantised model as llama.cpp computes it. Per block, the
+//! weight codes and the activation codes meet in an integer dot product,
+//! scaled by both blocks' scales (Q4_1 adds its minimum times the
+//! activation block's sum).
+//!
+//! The integer part is exact; the scaled sums are accumulated in f32. The
+//! x86 path (AVX2, also taken on AVX-512 machines) unpacks a block's
+//! codes into one 256-bit register and multiplies them with `vpmaddubsw`;
+//! the others run the same arithmetic in portable code.
+
+use hgca_kernels::{
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, Result, WeightElem, check_len_of,
+};
+
+use crate::CpuBackend;
+use crate::isa::Isa;
+
+/// Which block format a [`DotBlock`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DotKind {
+    /// [`BlockQ4_0`]: `d (q - 8)`, 4-bit codes.
+    Q4_0,
+    /// [`BlockQ4_1`]: `d q + m`, 4-bit codes.
+    Q4_1,
+    /// [`BlockQ5_0`]: `d (q - 16)`, 5-bit codes.
+    Q5_0,
+    /// [`BlockQ8_0`]: `d q`, 8-bit codes.
+    Q8_0,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for hgca_kernels::BlockQ4_0 {}
+    impl Sealed for hgca_kernels::BlockQ4_1 {}
+    impl Sealed for hgca_kernels::BlockQ5_0 {}
+    impl Sealed for hgca_kernels::BlockQ8_0 {}
+}
+
+/// A 32-value GGUF weight block that [`CpuBackend::qmatvec`] multiplies
+/// with Q8_0 activations.
+pub trait DotBlock: WeightElem + bytemuck::Pod + Sync + sealed::Sealed {
+    /// The format.
+    const KIND: DotKind;
+}
+
+impl DotBlock for BlockQ4_0 {
+    const KIND: DotKind = DotKind::Q4_0;
+}
+impl DotBlock for BlockQ4_1 {
+    const KIND: DotKind = DotKind::Q4_1;
+}
+impl DotBlock for BlockQ5_0 {
+    const KIND: DotKind = DotKind::Q5_0;
+}
+impl DotBlock for BlockQ8_0 {
+    const KIND: DotKind = DotKind::Q8_0;
+}
+
+/// A block's signed codes, scale and minimum (0 but for Q4_1): its values
+/// are `scale * code + min`.
+#[inline(always)]
+fn parts<B: DotBlock>(b: &B) -> ([i8; 32], f32, f32) {
+    let mut q = [0i8; 32];
+    let nibbles = |qs: &[u8; 16], q: &mut [i8; 32], off: i8| {
+        for (i, &v) in qs.iter().enumerate() {
+            q[i] = (v & 0x0F) as i8 - off;
+            q[i + 16] = (v >> 4) as i8 - off;
+        }
+    };
+    match B::KIND {
+        DotKind::Q4_0 => {
+            let b: &BlockQ4_0 = bytemuck::cast_ref(b);
+            nibbles(&b.qs, &mut q, 8);
+            (q, b.d.to_f32(), 0.0)
+        }
+        DotKind::Q4_1 => {
+            let b: &BlockQ4_1 = bytemuck::cast_ref(b);
+            nibbles(&b.qs, &mut q, 0);
+            (q, b.d.to_f32(), b.m.to_f32())
+        }
+        DotKind::Q5_0 => {
+            let b: &BlockQ5_0 = bytemuck::cast_ref(b);
+            let qh = u32::from_le_bytes(b.qh);
+            nibbles(&b.qs, &mut q, 16);
+            for (i, v) in q.iter_mut().enumerate() {
+                *v += (((qh >> i) & 1) << 4) as i8;
+            }
+            (q, b.d.to_f32(), 0.0)
+        }
+        DotKind::Q8_0 => {
+            let b: &BlockQ8_0 = bytemuck::cast_ref(b);
+            (b.qs, b.d.to_f32(), 0.0)
+        }
+    }
+}
+
+/// Activations quantised to Q8_0 blocks for [`CpuBackend::qmatvec`]:
+/// `n` tokens of `k` values each (`k` a multiple of 32), each block's
+/// scale the block's largest magnitude over 127, codes rounded to nearest
+/// (as [`BlockQ8_0::quantize`]; llama.cpp and candle quantise the same way).
+#[derive(Debug, Clone, Default)]
+pub struct Q8Acts {
+    n: usize,
+    k: usize,
+    blocks: Vec<BlockQ8_0>,
+    /// Per block, the scale `d` widened to f32.
+    scales: Vec<f32>,
+    /// Per block, `d Σ q` (what Q4_1's minimum multiplies).
+    sums: Vec<f32>,
+}
+
+impl Q8Acts {
+    /// Quantises `x` (`[n, k]` row-major).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `x` does not hold `n * k` values,
+    /// [`Error::Param`] when `k` is not a multiple of 32.
+    ///
+    /// ```
+    /// let x: Vec<f32> = (0..64).map(|i| i as f32 / 8.0).collect();
+    /// let a = hgca_cpu::Q8Acts::quantize(&x, 1, 64).unwrap();
+    /// assert_eq!((a.tokens(), a.width()), (1, 64));
+    /// ```
+    pub fn quantize(x: &[f32], n: usize, k: usize) -> Result<Self> {
+        check_len_of("activations", &[n, k], x.len())?;
+        if !k.is_multiple_of(32) {
+            return Err(Error::Param {
+                what: "activation width",
+                value: k as f64,
+                expected: "a multiple of 32 (the block)",
+            });
+        }
+        let blocks: Vec<BlockQ8_0> = x
+            .chunks_exact(32)
+            .map(|c| BlockQ8_0::quantize(c.try_into().expect("32 values")))
+            .collect();
+        let scales: Vec<f32> = blocks.iter().map(|b| b.d.to_f32()).collect();
+        let sums = blocks
+            .iter()
+            .zip(&scales)
+            .map(|(b, d)| d * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>() as f32)
+            .collect();
+        Ok(Self {
+            n,
+            k,
+            blocks,
+            scales,
+            sums,
+        })
+    }
+
+    /// Tokens (rows of activations).
+    pub fn tokens(&self) -> usize {
+        self.n
+    }
+
+    /// Values per token.
+    pub fn width(&self) -> usize {
+        self.k
+    }
+
+    /// The quantised blocks, token-major.
+    pub fn blocks(&self) -> &[BlockQ8_0] {
+        &self.blocks
+    }
+
+    /// Token `t`'s blocks, scales and sums.
+    #[inline(always)]
+    fn token(&self, t: usize) -> Token<'_> {
+        let r = t * self.k / 32..(t + 1) * self.k / 32;
+        Token {
+            blocks: &self.blocks[r.clone()],
+            scales: &self.scales[r.clone()],
+            sums: &self.sums[r],
+        }
+    }
+}
+
+/// One token of [`Q8Acts`].
+#[derive(Clone, Copy)]
+struct Token<'a> {
+    blocks: &'a [BlockQ8_0],
+    scales: &'a [f32],
+    sums: &'a [f32],
+}
+
+/// One row's dot product with one token's activations, portable code.
+#[inline(always)]
+fn row_dot_scalar<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+    let mut acc = 0.0f32;
+    for (i, b) in row.iter().enumerate() {
+        let (q, d, m) = parts(b);
+        let dot: i32 = q
+            .iter()
+            .zip(&x.blocks[i].qs)
+            .map(|(&a, &b)| i32::from(a) * i32::from(b))
+            .sum();
+        acc = (d * x.scales[i]).mul_add(dot as f32, acc);
+        if B::KIND == DotKind::Q4_1 {
+            acc = m.mul_add(x.sums[i], acc);
+        }
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{DotBlock, DotKind, Token};
+    use core::arch::x86_64::*;
+    use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
+
+    /// An f16 scale widened with F16C (`half`'s conversion would check
+    /// for F16C at run time on every block).
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    fn h2f(h: hgca_kernels::f16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+    }
+
+    /// The 32 codes of a block as signed bytes in one register, its scale
+    /// and its minimum.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn codes<B: DotBlock>(b: &B) -> (__m256i, f32, f32) {
+        // Two nibbles per byte: the low ones are values 0..16, the high 16..32.
+        #[target_feature(enable = "avx2")]
+        #[inline]
+        fn nibbles(qs: &[u8; 16]) -> __m256i {
+            // SAFETY: 16 readable bytes.
+            let v = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+            let lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), _mm_set1_epi8(0x0F));
+            _mm256_set_m128i(hi, lo)
+        }
+        match B::KIND {
+            DotKind::Q4_0 => {
+                let b: &BlockQ4_0 = bytemuck::cast_ref(b);
+                let q = _mm256_sub_epi8(nibbles(&b.qs), _mm256_set1_epi8(8));
+                (q, h2f(b.d), 0.0)
+            }
+            DotKind::Q4_1 => {
+                let b: &BlockQ4_1 = bytemuck::cast_ref(b);
+                (nibbles(&b.qs), h2f(b.d), h2f(b.m))
+            }
+            DotKind::Q5_0 => {
+                let b: &BlockQ5_0 = bytemuck::cast_ref(b);
+                // Byte i of `set` is all ones where bit i of qh is set: byte
+                // i first takes qh's byte i / 8, then every bit but i % 8 is
+                // forced on.
+                let qh = _mm256_set1_epi32(i32::from_le_bytes(b.qh));
+                let spread = _mm256_setr_epi8(
+                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                    3, 3, 3, 3, 3, 3,
+                );
+                let bytes = _mm256_shuffle_epi8(qh, spread);
+                let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+                let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
+                // q - 16 is the nibble where the fifth bit is set, and the
+                // nibble with its high bits set (nibble - 16) where it is not.
+                let q = _mm256_or_si256(
+                    nibbles(&b.qs),
+                    _mm256_andnot_si256(set, _mm256_set1_epi8(0xF0u8 as i8)),
+                );
+                (q, h2f(b.d), 0.0)
+            }
+            DotKind::Q8_0 => {
+                let b: &BlockQ8_0 = bytemuck::cast_ref(b);
+                // SAFETY: 32 readable bytes.
+                let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().cast()) };
+                (q, h2f(b.d), 0.0)
+            }
+        }
+    }
+
+    /// Eight i32 partial sums of `Σ a_k b_k` over 32 signed bytes. `vpmaddubsw`
+    /// takes unsigned times signed: |a| times b with a's sign. No pair can
+    /// saturate: |a| <= 128 and |b| <= 127 (activation codes are clamped).
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn dot_i8(a: __m256i, b: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// One block's contribution added to `acc` (the minimum's part to `min`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn step<B: DotBlock>(
+        b: &B,
+        x: &BlockQ8_0,
+        scale: f32,
+        sum: f32,
+        acc: __m256,
+        min: &mut f32,
+    ) -> __m256 {
+        let (q, d, m) = codes(b);
+        // SAFETY: 32 readable bytes.
+        let p = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+        let v = _mm256_cvtepi32_ps(dot_i8(q, p));
+        if B::KIND == DotKind::Q4_1 {
+            *min = m.mul_add(sum, *min);
+        }
+        _mm256_fmadd_ps(_mm256_set1_ps(d * scale), v, acc)
+    }
+
+    /// One row's dot product with one token's activations; two accumulators
+    /// in registers (even and odd blocks) so consecutive blocks do not wait
+    /// on each other.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut min, mut min1) = (0.0f32, 0.0f32);
+        let pairs = row
+            .chunks_exact(2)
+            .zip(x.blocks.chunks_exact(2))
+            .zip(x.scales.chunks_exact(2).zip(x.sums.chunks_exact(2)));
+        for ((b, xb), (sc, su)) in pairs {
+            a0 = step(&b[0], &xb[0], sc[0], su[0], a0, &mut min);
+            a1 = step(&b[1], &xb[1], sc[1], su[1], a1, &mut min1);
+        }
+        if !row.len().is_multiple_of(2) {
+            let i = row.len() - 1;
+            a0 = step(&row[i], &x.blocks[i], x.scales[i], x.sums[i], a0, &mut min);
+        }
+        hsum(_mm256_add_ps(a0, a1)) + (min + min1)
+    }
+
+    /// Rows `rows` (each `nb` blocks) against every token of `acts`, into
+    /// `out` (`[rows, n]`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn rows<B: DotBlock>(w: &[B], nb: usize, acts: &super::Q8Acts, out: &mut [f32]) {
+        let n = acts.tokens();
+        for (row, o) in w.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
+            for (t, y) in o.iter_mut().enumerate() {
+                *y = row_dot(row, acts.token(t));
+            }
+        }
+    }
+}
+
+/// Output rows per unit of work of [`CpuBackend::qmatvec`].
+const ROWS_PER_TASK: usize = 64;
+
+impl CpuBackend {
+    /// Whether [`CpuBackend::qmatvec`] takes its AVX2 path for this ISA:
+    /// x86-64-v3 or v4 (whose pulp token does not prove F16C: checked
+    /// here), with AVX2, FMA and F16C detected. Elsewhere it runs portable
+    /// code (no NEON path yet), which a caller with another fast kernel
+    /// may prefer to avoid.
+    pub fn qmatvec_avx2(isa: Isa) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(isa, Isa::V3(_) | Isa::V4(_)) {
+            return std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c");
+        }
+        let _ = isa;
+        false
+    }
+
+    /// `y = x W^T` for quantised activations `acts` (`n` tokens of `k`
+    /// values) and weight rows `w` (`rows` rows of `k / 32` blocks each, the
+    /// GGUF layout of a `[rows, k]` matrix): `y` is `[n, rows]` row-major.
+    /// Rows are shared out over the backend's threads; each token's result
+    /// is the same whatever the threading.
+    ///
+    /// This is the decode path of a quantised model (llama.cpp multiplies
+    /// the same way); it is not exact in `x`, which is rounded to 8 bits per
+    /// value with a scale per 32 stored as f16: an error of up to 1/254 of
+    /// the block's largest magnitude per value, plus the scale's f16
+    /// rounding (more where the scale is subnormal: blocks of magnitude
+    /// below about 8e-3).
+    ///
+    /// # Errors
+    /// [`Error::Length`] when `w` does not hold `rows * k / 32` blocks or
+    /// `y` does not hold `n * rows` values.
+    ///
+    /// ```
+    /// use hgca_cpu::{CpuBackend, Q8Acts};
+    /// use hgca_kernels::{BlockQ8_0, f16};
+    /// // Two rows of 64 values: all 1 in the first, all -2 in the second.
+    /// let row = |v: i8| [BlockQ8_0 { d: f16::ONE, qs: [v; 32] }; 2];
+    /// let w = [row(1), row(-2)].concat();
+    /// // 127 quantises exactly (scale 1, code 127).
+    /// let x = Q8Acts::quantize(&[127.0f32; 64], 1, 64).unwrap();
+    /// let mut y = [0.0f32; 2];
+    /// CpuBackend::new().qmatvec(&w, 2, &x, &mut y).unwrap();
+    /// assert_eq!(y, [64.0 * 127.0, -128.0 * 127.0]);
+    /// ```
+    pub fn qmatvec<B: DotBlock>(
+        &self,
+        w: &[B],
+        rows: usize,
+        acts: &Q8Acts,
+        y: &mut [f32],
+    ) -> Result<()> {
+        let (n, nb) = (acts.tokens(), acts.width() / 32);
+        check_len_of("weight blocks", &[rows, nb], w.len())?;
+        check_len_of("output", &[n, rows], y.len())?;
+        if n == 0 || rows == 0 {
+            return Ok(());
+        }
+        if nb == 0 {
+            // An empty inner dimension: every sum is empty.
+            y.fill(0.0);
+            return Ok(());
+        }
+        let avx2 = Self::qmatvec_avx2(self.isa);
+        let part = |first: usize, out: &mut [f32]| {
+            let ws = &w[first * nb..(first + out.len() / n) * nb];
+            match avx2 {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `qmatvec_avx2` detected AVX2, FMA and F16C.
+                true => unsafe { x86::rows(ws, nb, acts, out) },
+                _ => {
+                    for (row, o) in ws.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
+                        for (t, v) in o.iter_mut().enumerate() {
+                            *v = row_dot_scalar(row, acts.token(t));
+                        }
+                    }
+                }
+            }
+        };
+        if n == 1 {
+            self.for_chunks(y, ROWS_PER_TASK, |i, out| part(i * ROWS_PER_TASK, out));
+        } else {
+            // [rows, n] in pieces of whole rows, then transposed into y.
+            let mut t = vec![0.0f32; rows * n];
+            self.for_chunks(&mut t, ROWS_PER_TASK * n, |i, out| {
+                part(i * ROWS_PER_TASK, out)
+            });
+            for (r, vals) in t.chunks_exact(n).enumerate() {
+                for (tok, &v) in vals.iter().enumerate() {
+                    y[tok * rows + r] = v;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_codes_are_the_dequantised_values() {
+        let x: [f32; 32] = core::array::from_fn(|i| (i as f32 - 13.0) * 0.37);
+        fn check<B: DotBlock>(b: B) {
+            let mut want = [0.0f32; 32];
+            b.dequant(&mut want);
+            let (q, d, m) = parts(&b);
+            for (k, (&c, &w)) in q.iter().zip(&want).enumerate() {
+                assert_eq!(d.mul_add(f32::from(c), m), w, "{} value {k}", B::NAME);
+            }
+        }
+        check(BlockQ4_0::quantize(&x));
+        check(BlockQ4_1::quantize(&x));
+        check(BlockQ5_0::quantize(&x));
+        check(BlockQ8_0::quantize(&x));
+    }
+}

@@ -1,0 +1,233 @@
+//! The quantised matrix-vector product (GGUF weight blocks times Q8_0
+//! activations) against an f64 reference over the same values, for every
+//! ISA the machine has and every block format: proptest over shapes and
+//! tokens, an edge table (with the extreme codes -128 and 127), and typed
+//! errors for bad input.
+
+use hgca_cpu::{CpuBackend, DotBlock, DotKind, Par, Q8Acts};
+use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, WeightElem};
+use hgca_testkit::Rng;
+use hgca_testkit::ffn::TestWeight;
+use proptest::prelude::*;
+
+mod common;
+use common::backend;
+
+/// `y[t, r] = Σ_k w[r, k] x[t, k]` in f64 over the dequantised weights and
+/// the dequantised activations, and `Σ_k |w[r, k] x[t, k]|` beside it.
+fn reference<B: WeightElem>(w: &[B], rows: usize, acts: &Q8Acts) -> (Vec<f64>, Vec<f64>) {
+    let (n, k) = (acts.tokens(), acts.width());
+    let (mut wf, mut xf) = (vec![0.0f32; rows * k], vec![0.0f32; n * k]);
+    B::dequant_slice(w, &mut wf);
+    BlockQ8_0::dequant_slice(acts.blocks(), &mut xf);
+    let (mut y, mut mag) = (vec![0.0; n * rows], vec![0.0; n * rows]);
+    for t in 0..n {
+        for r in 0..rows {
+            let (wr, xt) = (&wf[r * k..(r + 1) * k], &xf[t * k..(t + 1) * k]);
+            for (&a, &b) in wr.iter().zip(xt) {
+                let p = f64::from(a) * f64::from(b);
+                y[t * rows + r] += p;
+                mag[t * rows + r] += p.abs();
+            }
+        }
+    }
+    (y, mag)
+}
+
+/// `Σ_k |m_b x[t, k]|` over Q4_1's block minimums `m_b` (0 for the
+/// other formats), laid out like [`reference`]'s outputs.
+fn min_magnitudes<B: DotBlock>(w: &[B], rows: usize, acts: &Q8Acts) -> Vec<f64> {
+    let (n, nb) = (acts.tokens(), acts.width() / 32);
+    let mut out = vec![0.0; n * rows];
+    if B::KIND != DotKind::Q4_1 {
+        return out;
+    }
+    for t in 0..n {
+        for r in 0..rows {
+            for j in 0..nb {
+                let b: &BlockQ4_1 = bytemuck::cast_ref(&w[r * nb + j]);
+                let x = &acts.blocks()[t * nb + j];
+                let xs: f64 = x.qs.iter().map(|&q| f64::from(q).abs()).sum();
+                out[t * rows + r] += f64::from(b.m.to_f32()).abs() * f64::from(x.d.to_f32()) * xs;
+            }
+        }
+    }
+    out
+}
+
+/// Random weights (a few rows scaled far apart) and activations (one token
+/// all zero when there are several: a zero scale), multiplied and checked.
+fn case<B: DotBlock + TestWeight>(
+    cpu: &CpuBackend,
+    rows: usize,
+    k: usize,
+    n: usize,
+    seed: u64,
+) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let mut w = Vec::with_capacity(rows * k / 32);
+    for r in 0..rows {
+        let scale = if r % 5 == 3 { 1e-3 } else { 1.0 + r as f32 };
+        let row: Vec<f32> = (0..k).map(|_| rng.sym() * scale).collect();
+        w.extend(B::from_row(&row));
+    }
+    let x: Vec<f32> = (0..n * k)
+        .map(|i| {
+            if n > 1 && i / k == 1 {
+                0.0
+            } else {
+                rng.sym() * 3.0
+            }
+        })
+        .collect();
+    check(cpu, &w, rows, &x, n, k)
+}
+
+fn check<B: DotBlock>(
+    cpu: &CpuBackend,
+    w: &[B],
+    rows: usize,
+    x: &[f32],
+    n: usize,
+    k: usize,
+) -> Result<(), String> {
+    let acts = Q8Acts::quantize(x, n, k).map_err(|e| e.to_string())?;
+    let mut y = vec![f32::NAN; n * rows];
+    cpu.qmatvec(w, rows, &acts, &mut y)
+        .map_err(|e| e.to_string())?;
+    let (want, mag) = reference(w, rows, &acts);
+    // Per block a rounded scale product and a fused add, and for Q4_1 a
+    // second fused add of its minimum's term: at most 2 (blocks + 2)
+    // roundings of f32, relative to the magnitudes of the terms added
+    // (Q4_1's `d q x` and `m x` may each exceed `|w x|`: |d q x| <= |w x| +
+    // |m x|, so the terms are bounded by mag + 2 Σ|m x|).
+    let tol = 2.0 * (k / 32 + 2) as f64 * f64::from(f32::EPSILON);
+    let mins = min_magnitudes(w, rows, &acts);
+    for (i, ((&g, &e), &m)) in y.iter().zip(&want).zip(&mag).enumerate() {
+        let bound = tol * (m + 2.0 * mins[i]) + 1e-30;
+        // NaN (an output left unwritten) fails too.
+        let err = (f64::from(g) - e).abs();
+        if err.is_nan() || err > bound {
+            return Err(format!(
+                "{}: rows {rows} k {k} n {n}: y[{}, {}] = {g}, reference {e} (magnitude {m})",
+                B::NAME,
+                i / rows,
+                i % rows
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn all_formats(cpu: &CpuBackend, rows: usize, k: usize, n: usize, seed: u64) -> Result<(), String> {
+    case::<BlockQ4_0>(cpu, rows, k, n, seed)?;
+    case::<BlockQ4_1>(cpu, rows, k, n, seed)?;
+    case::<BlockQ5_0>(cpu, rows, k, n, seed)?;
+    case::<BlockQ8_0>(cpu, rows, k, n, seed)
+}
+
+/// (rows, k, tokens): one row, one block, rows around the 64-row unit of
+/// work, a long row, several tokens.
+const EDGE: &[(usize, usize, usize)] = &[
+    (1, 32, 1),
+    (3, 64, 2),
+    (63, 32, 1),
+    (64, 96, 3),
+    (65, 32, 1),
+    (130, 128, 2),
+    (7, 2048, 1),
+    (200, 64, 5),
+];
+
+/// Q8_0 weights at the ends of their code range (-128 is a valid code in a
+/// file though the quantiser never writes it) against activations at
+/// theirs: the products the byte multiply pairs up must not saturate.
+fn extreme_codes(cpu: &CpuBackend) {
+    let lo = BlockQ8_0 {
+        d: hgca_kernels::f16::from_f32(0.5),
+        qs: [-128; 32],
+    };
+    let hi = BlockQ8_0 {
+        d: hgca_kernels::f16::from_f32(0.25),
+        qs: [127; 32],
+    };
+    let w = [lo, hi, hi, lo];
+    for x in [[1.0f32; 64], [-1.0; 64]] {
+        check(cpu, &w, 2, &x, 1, 64).unwrap();
+    }
+    let mut mixed = [1.0f32; 64];
+    mixed.iter_mut().step_by(2).for_each(|v| *v = -1.0);
+    check(cpu, &w, 2, &mixed, 1, 64).unwrap();
+}
+
+macro_rules! isa_suite {
+    ($name:ident, $kind:expr) => {
+        mod $name {
+            use super::*;
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+                #[test]
+                fn qmatvec_matches_the_reference(
+                    rows in 1usize..150,
+                    blocks in 1usize..12,
+                    n in 1usize..5,
+                    seed in any::<u64>(),
+                ) {
+                    for par in [Par::Seq, Par::Rayon(3)] {
+                        if let Some(b) = backend($kind, par) {
+                            let r = all_formats(&b, rows, 32 * blocks, n, seed);
+                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                        }
+                    }
+                }
+            }
+
+            #[test]
+            fn edge_table() {
+                for par in [Par::Seq, Par::Rayon(2)] {
+                    let Some(b) = backend($kind, par) else { return };
+                    for (i, &(rows, k, n)) in EDGE.iter().enumerate() {
+                        all_formats(&b, rows, k, n, i as u64)
+                            .unwrap_or_else(|e| panic!("{par:?}: {e}"));
+                    }
+                    extreme_codes(&b);
+                }
+            }
+        }
+    };
+}
+
+every_isa!(isa_suite);
+
+#[test]
+fn bad_input_is_a_typed_error_and_writes_nothing() {
+    assert!(matches!(
+        Q8Acts::quantize(&[0.0; 48], 1, 48),
+        Err(Error::Param { .. })
+    ));
+    assert!(matches!(
+        Q8Acts::quantize(&[0.0; 64], 2, 64),
+        Err(Error::Length { .. })
+    ));
+    let cpu = CpuBackend::new();
+    let acts = Q8Acts::quantize(&[1.0; 64], 1, 64).unwrap();
+    let w = vec![BlockQ8_0::quantize(&[1.0; 32]); 6];
+    let mut y = [f32::NAN; 3];
+    // 6 blocks are 3 rows of 64 values, not 2 or 4.
+    for rows in [2, 4] {
+        let r = cpu.qmatvec(&w, rows, &acts, &mut y[..rows.min(3)]);
+        assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    }
+    let r = cpu.qmatvec(&w, 3, &acts, &mut y[..2]);
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    assert!(y.iter().all(|v| v.is_nan()));
+    // Nothing to do is not an error; an empty inner dimension gives zeros.
+    let none = Q8Acts::quantize(&[], 0, 64).unwrap();
+    cpu.qmatvec(&w, 3, &none, &mut []).unwrap();
+    let empty = Q8Acts::quantize(&[], 2, 0).unwrap();
+    let mut z = [f32::NAN; 6];
+    cpu.qmatvec::<BlockQ8_0>(&[], 3, &empty, &mut z).unwrap();
+    assert_eq!(z, [0.0; 6]);
+}
