@@ -3,15 +3,16 @@
 //! shapes: its stacked FFN gate and up projections (9728 x 896), eight
 //! layers' weights taken in turn so they come from DRAM as in a model,
 //! in Q8_0, Q5_0, Q4_1 and Q4_0; and its LM head (151,936 x 896, Q8_0, as
-//! the GGUF stores it). One token; 1 and 2 threads.
+//! the GGUF stores it). One token; 1 and 2 threads; each kernel path the
+//! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
-//! Ids: `qdot/{isa}/{format}/{shape}-t{threads}`. GB/s counts the weight
+//! Ids: `qdot/{path}/{format}/{shape}-t{threads}`. GB/s counts the weight
 //! bytes (every block is read once per call); "% of probe" compares it
 //! with the streaming read probe measured in the same run.
 
 use criterion::Criterion;
 use hgca_benches::{Probe, Report, fill};
-use hgca_cpu::{CpuBackend, DotBlock, Isa, Par, Q8Acts};
+use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, Par, Q8Acts, QDotPath};
 use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
 
 const K: usize = 896;
@@ -28,26 +29,46 @@ fn mats<B: DotBlock>(mats: usize, rows: usize, quantize: fn(&[f32; 32]) -> B) ->
         .collect()
 }
 
+/// Each kernel path the machine has (portable code only where there is
+/// no other), on the ISA that takes it.
+fn paths() -> Vec<(IsaKind, QDotPath)> {
+    let mut v: Vec<(IsaKind, QDotPath)> = Vec::new();
+    for isa in Isa::available() {
+        let p = CpuBackend::qmatvec_path(isa);
+        if !v.iter().any(|&(_, q)| q == p) {
+            v.push((isa.kind(), p));
+        }
+    }
+    if v.len() > 1 {
+        v.retain(|&(_, p)| p != QDotPath::Portable);
+    }
+    v
+}
+
 fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B>], rows: usize) {
-    let isa = Isa::detect().kind().name();
     let acts = Q8Acts::quantize(&fill(K, 42), 1, K).expect("a whole block");
     let mut y = vec![0.0f32; rows];
-    for threads in [1usize, 2] {
-        let par = if threads == 1 {
-            Par::Seq
-        } else {
-            Par::Rayon(threads)
-        };
-        let cpu = CpuBackend::new().with_par(par).expect("pool");
-        let bytes = (ws[0].len() * size_of::<B>()) as u64;
-        let set = ws.len() * ws[0].len() * size_of::<B>();
-        let id = format!("qdot/{isa}/{}/{shape}-t{threads}", B::NAME);
-        let mut m = 0;
-        rep.bench(crit, "qdot", &id, (bytes, set, threads), || {
-            m = (m + 1) % ws.len();
-            cpu.qmatvec(&ws[m], rows, &acts, &mut y)
-                .expect("a valid call");
-        });
+    for (isa, path) in paths() {
+        for threads in [1usize, 2] {
+            let par = if threads == 1 {
+                Par::Seq
+            } else {
+                Par::Rayon(threads)
+            };
+            let cpu = CpuBackend::new()
+                .with_isa(isa)
+                .and_then(|c| c.with_par(par))
+                .expect("a detected ISA and a pool");
+            let bytes = (ws[0].len() * size_of::<B>()) as u64;
+            let set = ws.len() * ws[0].len() * size_of::<B>();
+            let id = format!("qdot/{path:?}/{}/{shape}-t{threads}", B::NAME);
+            let mut m = 0;
+            rep.bench(crit, "qdot", &id, (bytes, set, threads), || {
+                m = (m + 1) % ws.len();
+                cpu.qmatvec(&ws[m], rows, &acts, &mut y)
+                    .expect("a valid call");
+            });
+        }
     }
 }
 

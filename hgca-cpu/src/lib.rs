@@ -29,6 +29,6 @@ pub use backend::{CpuBackend, Executor, Par};
 pub use batch::{BatchTokens, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
-pub use qdot::{DotBlock, DotKind, Q8Acts};
+pub use qdot::{DotBlock, DotKind, Q8Acts, QDotPath};
 pub use select::{INT8_TILE, Int4Keys, Int8Keys, quantize_i4, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

@@ -6,9 +6,10 @@
 //! activation block's sum).
 //!
 //! The integer part is exact; the scaled sums are accumulated in f32. The
-//! x86 path (AVX2, also taken on AVX-512 machines) unpacks a block's
-//! codes into one 256-bit register and multiplies them with `vpmaddubsw`;
-//! the others run the same arithmetic in portable code.
+//! AVX2 path unpacks a block's codes into one 256-bit register and
+//! multiplies them with `vpmaddubsw`; the AVX-512 VNNI path takes two
+//! blocks per 512-bit register and `vpdpbusd`; other machines run the same
+//! arithmetic in portable code ([`QDotPath`]).
 
 use hgca_kernels::{
     BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, Result, WeightElem, check_len_of,
@@ -337,14 +338,209 @@ mod x86 {
     }
 
     /// Rows `rows` (each `nb` blocks) against every token of `acts`, into
-    /// `out` (`[rows, n]`).
+    /// `out` (`[rows, n]`), on the AVX-512 VNNI path where `vnni`.
+    ///
+    /// # Safety
+    /// Where `vnni`, the CPU has AVX-512 F/BW/VL and VNNI.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn rows<B: DotBlock>(w: &[B], nb: usize, acts: &super::Q8Acts, out: &mut [f32]) {
+    pub(super) unsafe fn rows<B: DotBlock>(
+        w: &[B],
+        nb: usize,
+        acts: &super::Q8Acts,
+        out: &mut [f32],
+        vnni: bool,
+    ) {
         let n = acts.tokens();
         for (row, o) in w.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
             for (t, y) in o.iter_mut().enumerate() {
-                *y = row_dot(row, acts.token(t));
+                *y = if vnni {
+                    // SAFETY: the caller's promise.
+                    unsafe { vnni::row_dot(row, acts.token(t)) }
+                } else {
+                    row_dot(row, acts.token(t))
+                };
             }
+        }
+    }
+
+    /// Two blocks per 512-bit register, multiplied by `vpdpbusd` (unsigned
+    /// bytes times signed bytes, four products summed into each i32 lane):
+    /// the signed formats give it their codes' magnitudes and move their
+    /// signs onto the activations, as the AVX2 path does for `vpmaddubsw`.
+    mod vnni {
+        use super::*;
+
+        /// Two blocks' nibbles: 128-bit lanes 0 and 1 hold the first
+        /// block's values 0..16 and 16..32, lanes 2 and 3 the second's.
+        #[target_feature(enable = "avx512f,avx512bw,avx2")]
+        #[inline]
+        fn nibbles2(q0: &[u8; 16], q1: &[u8; 16]) -> __m512i {
+            // SAFETY: 16 readable bytes each.
+            let (a, b) = unsafe {
+                (
+                    _mm_loadu_si128(q0.as_ptr().cast()),
+                    _mm_loadu_si128(q1.as_ptr().cast()),
+                )
+            };
+            let v = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_broadcastsi128_si256(a)),
+                _mm256_broadcastsi128_si256(b),
+            );
+            let v = _mm512_mask_blend_epi64(0b1100_1100, v, _mm512_srli_epi16::<4>(v));
+            _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+        }
+
+        /// Two f16 widened, in lanes 0 and 1 (2 and 3 zero).
+        #[target_feature(enable = "avx2,f16c")]
+        #[inline]
+        fn h2f2(a: hgca_kernels::f16, b: hgca_kernels::f16) -> __m128 {
+            let bits = u32::from(a.to_bits()) | (u32::from(b.to_bits()) << 16);
+            _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
+        }
+
+        /// Two blocks' 64 codes (unsigned for Q4_1, signed for the others),
+        /// their two scales and their two minimums (Q4_1; zero otherwise).
+        #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
+        #[inline]
+        fn codes2<B: DotBlock>(b0: &B, b1: &B) -> (__m512i, __m128, __m128) {
+            match B::KIND {
+                DotKind::Q4_0 => {
+                    let (b0, b1): (&BlockQ4_0, &BlockQ4_0) =
+                        (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
+                    let q = _mm512_sub_epi8(nibbles2(&b0.qs, &b1.qs), _mm512_set1_epi8(8));
+                    (q, h2f2(b0.d, b1.d), _mm_setzero_ps())
+                }
+                DotKind::Q4_1 => {
+                    let (b0, b1): (&BlockQ4_1, &BlockQ4_1) =
+                        (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
+                    (nibbles2(&b0.qs, &b1.qs), h2f2(b0.d, b1.d), h2f2(b0.m, b1.m))
+                }
+                DotKind::Q5_0 => {
+                    let (b0, b1): (&BlockQ5_0, &BlockQ5_0) =
+                        (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
+                    // Bit j of the mask is the fifth bit of byte j's value;
+                    // where it is clear the value is the nibble minus 16.
+                    let high = u64::from(u32::from_le_bytes(b0.qh))
+                        | (u64::from(u32::from_le_bytes(b1.qh)) << 32);
+                    let nib = nibbles2(&b0.qs, &b1.qs);
+                    let q = _mm512_mask_sub_epi8(nib, !high, nib, _mm512_set1_epi8(16));
+                    (q, h2f2(b0.d, b1.d), _mm_setzero_ps())
+                }
+                DotKind::Q8_0 => {
+                    let (b0, b1): (&BlockQ8_0, &BlockQ8_0) =
+                        (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
+                    (codes64(&b0.qs, &b1.qs), h2f2(b0.d, b1.d), _mm_setzero_ps())
+                }
+            }
+        }
+
+        /// Two 32-byte code arrays in one register.
+        #[target_feature(enable = "avx512f,avx2")]
+        #[inline]
+        fn codes64(a: &[i8; 32], b: &[i8; 32]) -> __m512i {
+            // SAFETY: 32 readable bytes each.
+            unsafe {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.as_ptr().cast())),
+                    _mm256_loadu_si256(b.as_ptr().cast()),
+                )
+            }
+        }
+
+        /// Sixteen i32 partial sums of two blocks' integer dot products
+        /// (lanes 0..8 the first block's).
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        #[inline]
+        fn dot2<B: DotBlock>(q: __m512i, x: __m512i) -> __m512i {
+            let zero = _mm512_setzero_si512();
+            if B::KIND == DotKind::Q4_1 {
+                // Codes 0..16: already unsigned.
+                return _mm512_dpbusd_epi32(zero, q, x);
+            }
+            // |q| (128 for -128, as an unsigned byte), and x negated where
+            // q is negative (activation codes are within ±127).
+            let negative = _mm512_movepi8_mask(q);
+            let xs = _mm512_mask_sub_epi8(x, negative, zero, x);
+            _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(q), xs)
+        }
+
+        /// Two weight blocks against the token's two, with the token's
+        /// scales `s` and sums `u`, added to `acc` (the minimums' part to
+        /// `min`).
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        #[inline]
+        fn step2<B: DotBlock>(
+            w: [&B; 2],
+            x: [&BlockQ8_0; 2],
+            s: [f32; 2],
+            u: [f32; 2],
+            acc: __m512,
+            min: &mut __m128,
+        ) -> __m512 {
+            let (q, d, m) = codes2(w[0], w[1]);
+            let v = _mm512_cvtepi32_ps(dot2::<B>(q, codes64(&x[0].qs, &x[1].qs)));
+            if B::KIND == DotKind::Q4_1 {
+                *min = _mm_fmadd_ps(m, _mm_setr_ps(u[0], u[1], 0.0, 0.0), *min);
+            }
+            // Lanes 0..8 take the first block's scale product, 8..16 the second's.
+            let pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            let ds = _mm_mul_ps(d, _mm_setr_ps(s[0], s[1], 0.0, 0.0));
+            _mm512_fmadd_ps(
+                _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(ds)),
+                v,
+                acc,
+            )
+        }
+
+        /// One row's dot product with one token's activations: four blocks
+        /// per iteration into two accumulators, the last one to three
+        /// blocks as a pair and, for an odd count, one on the AVX2 path.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        pub(super) fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+            let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            let (mut m0, mut m1) = (_mm_setzero_ps(), _mm_setzero_ps());
+            let (w4, wr) = row.as_chunks::<4>();
+            let (x4, xr) = x.blocks.as_chunks::<4>();
+            let (s4, sr) = x.scales.as_chunks::<4>();
+            let (u4, ur) = x.sums.as_chunks::<4>();
+            for (((w, xb), s), u) in w4.iter().zip(x4).zip(s4).zip(u4) {
+                a0 = step2(
+                    [&w[0], &w[1]],
+                    [&xb[0], &xb[1]],
+                    [s[0], s[1]],
+                    [u[0], u[1]],
+                    a0,
+                    &mut m0,
+                );
+                a1 = step2(
+                    [&w[2], &w[3]],
+                    [&xb[2], &xb[3]],
+                    [s[2], s[3]],
+                    [u[2], u[3]],
+                    a1,
+                    &mut m1,
+                );
+            }
+            if wr.len() >= 2 {
+                a0 = step2(
+                    [&wr[0], &wr[1]],
+                    [&xr[0], &xr[1]],
+                    [sr[0], sr[1]],
+                    [ur[0], ur[1]],
+                    a0,
+                    &mut m0,
+                );
+            }
+            let mut min = 0.0;
+            let mut tail = _mm256_setzero_ps();
+            if wr.len() % 2 == 1 {
+                let i = wr.len() - 1;
+                tail = step(&wr[i], &xr[i], sr[i], ur[i], tail, &mut min);
+            }
+            let m = _mm_add_ps(m0, m1);
+            let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+            let m = _mm_add_ss(m, _mm_movehdup_ps(m));
+            _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + hsum(tail) + (_mm_cvtss_f32(m) + min)
         }
     }
 }
@@ -352,21 +548,47 @@ mod x86 {
 /// Output rows per unit of work of [`CpuBackend::qmatvec`].
 const ROWS_PER_TASK: usize = 64;
 
+/// The kernel [`CpuBackend::qmatvec`] runs on an ISA
+/// ([`CpuBackend::qmatvec_path`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QDotPath {
+    /// Portable code (no NEON path yet): a caller with another fast kernel
+    /// may prefer it.
+    Portable,
+    /// One block per 256-bit register, `vpmaddubsw`.
+    Avx2,
+    /// Two blocks per 512-bit register, `vpdpbusd`.
+    Avx512Vnni,
+}
+
 impl CpuBackend {
-    /// Whether [`CpuBackend::qmatvec`] takes its AVX2 path for this ISA:
-    /// x86-64-v3 or v4 (whose pulp token does not prove F16C: checked
-    /// here), with AVX2, FMA and F16C detected. Elsewhere it runs portable
-    /// code (no NEON path yet), which a caller with another fast kernel
-    /// may prefer to avoid.
-    pub fn qmatvec_avx2(isa: Isa) -> bool {
+    /// The kernel [`CpuBackend::qmatvec`] runs for this ISA: on x86-64-v4
+    /// with AVX-512 VNNI (and F16C, FMA) detected, the AVX-512 VNNI path;
+    /// on v3 or v4 otherwise, with AVX2, FMA and F16C detected (pulp's
+    /// tokens do not prove F16C), the AVX2 path; elsewhere portable code.
+    ///
+    /// ```
+    /// use hgca_cpu::{CpuBackend, QDotPath};
+    /// let cpu = CpuBackend::new();
+    /// let path = CpuBackend::qmatvec_path(cpu.isa());
+    /// assert!(matches!(path, QDotPath::Portable | QDotPath::Avx2 | QDotPath::Avx512Vnni));
+    /// ```
+    pub fn qmatvec_path(isa: Isa) -> QDotPath {
         #[cfg(target_arch = "x86_64")]
-        if matches!(isa, Isa::V3(_) | Isa::V4(_)) {
-            return std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c");
+        if matches!(isa, Isa::V3(_) | Isa::V4(_))
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+        {
+            return if matches!(isa, Isa::V4(_)) && std::is_x86_feature_detected!("avx512vnni") {
+                QDotPath::Avx512Vnni
+            } else {
+                QDotPath::Avx2
+            };
         }
         let _ = isa;
-        false
+        QDotPath::Portable
     }
 
     /// `y = x W^T` for quantised activations `acts` (`n` tokens of `k`
@@ -416,13 +638,16 @@ impl CpuBackend {
             y.fill(0.0);
             return Ok(());
         }
-        let avx2 = Self::qmatvec_avx2(self.isa);
+        let path = Self::qmatvec_path(self.isa);
         let part = |first: usize, out: &mut [f32]| {
             let ws = &w[first * nb..(first + out.len() / n) * nb];
-            match avx2 {
+            match path {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `qmatvec_avx2` detected AVX2, FMA and F16C.
-                true => unsafe { x86::rows(ws, nb, acts, out) },
+                // SAFETY: `qmatvec_path` detected AVX2, FMA and F16C, and
+                // for its VNNI path AVX-512 F/BW/VL (the V4 token) and VNNI.
+                QDotPath::Avx2 | QDotPath::Avx512Vnni => unsafe {
+                    x86::rows(ws, nb, acts, out, path == QDotPath::Avx512Vnni)
+                },
                 _ => {
                     for (row, o) in ws.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
                         for (t, v) in o.iter_mut().enumerate() {

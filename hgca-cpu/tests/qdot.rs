@@ -231,3 +231,30 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     cpu.qmatvec::<BlockQ8_0>(&[], 3, &empty, &mut z).unwrap();
     assert_eq!(z, [0.0; 6]);
 }
+
+/// The kernel `qmatvec` runs on each ISA the library detects follows
+/// /proc/cpuinfo's flags, read independently of the library's detection:
+/// on a machine with AVX-512 VNNI the V4 suite above checks the VNNI path,
+/// the V3 suite the AVX2 path.
+#[test]
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn path_follows_proc_cpuinfo() {
+    use hgca_cpu::{Isa, IsaKind, QDotPath};
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+        hgca_testkit::require::skip("proc-cpuinfo", "/proc/cpuinfo unreadable");
+        return;
+    };
+    let vnni = info
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .is_some_and(|l| l.split_whitespace().any(|f| f == "avx512_vnni"));
+    for isa in Isa::available() {
+        let want = match isa.kind() {
+            IsaKind::V4 if vnni => QDotPath::Avx512Vnni,
+            IsaKind::V3 | IsaKind::V4 => QDotPath::Avx2,
+            _ => QDotPath::Portable,
+        };
+        assert_eq!(CpuBackend::qmatvec_path(isa), want, "{isa}");
+        eprintln!("qmatvec on {isa}: {want:?}");
+    }
+}

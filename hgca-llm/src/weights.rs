@@ -35,8 +35,9 @@ pub enum WeightFormat {
     /// ([`hgca_cpu::CpuBackend::qmatvec`], which candle lacks for Q4_1 and
     /// Q5_0), the K formats through candle's; other types are re-quantised
     /// to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
-    /// weights. Where hgca's kernel has no SIMD path (it has AVX2 only),
-    /// those formats take candle's kernels as with `Auto`.
+    /// weights. Where hgca's kernel has no SIMD path (it has AVX2 and
+    /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
+    /// with `Auto`.
     Native,
 }
 
@@ -105,9 +106,10 @@ impl NativePart {
                 _ => HgcaRows::Q8_0(pod_vec(b)),
             })
         };
-        // hgca's kernel where it has its AVX2 path; elsewhere (aarch64: no
-        // NEON path yet) candle's kernels, as `Auto` would use them.
-        let hgca = hgca_cpu::CpuBackend::qmatvec_avx2(native_backend().isa());
+        // hgca's kernel where it has an x86 SIMD path; elsewhere (aarch64:
+        // no NEON path yet) candle's kernels, as `Auto` would use them.
+        let hgca = hgca_cpu::CpuBackend::qmatvec_path(native_backend().isa())
+            != hgca_cpu::QDotPath::Portable;
         Ok(match p.dtype() {
             GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q8_0 if hgca => {
                 NativePart::Hgca(blocks(p.dtype(), &p.data()?)?, rows)
