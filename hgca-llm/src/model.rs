@@ -12,6 +12,7 @@ use crate::profile::{Laps, Profile};
 use crate::sparse_ffn::SparseFfn;
 use crate::threads::cpu_backend;
 use crate::weights::LlamaWeights;
+use crate::weights::native_backend;
 use crate::{Error, Result};
 
 /// Which logits [`Llama::forward`] returns.
@@ -80,10 +81,17 @@ impl std::fmt::Debug for Llama {
     }
 }
 
-/// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`).
+/// Tokens per unit of work of the gated FFN activation.
+const ACT_TOKENS_PER_TASK: usize = 16;
+
+/// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`),
+/// `x (1 + tanh y) / 2` with `y = sqrt(2/pi) (x + 0.044715 x^3)`, written as
+/// `x / (1 + e^(-2y))` (the same function: one `exp`, a third of libm's
+/// `tanhf` here; it tends to 0 and to `x` without overflow trouble).
 fn gelu_tanh(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+    let y = C * (x + 0.044_715 * x * x * x);
+    x / (1.0 + (-2.0 * y).exp())
 }
 
 /// [`rms_norm`] of one row in place.
@@ -444,23 +452,32 @@ impl Llama {
             }
             let gu = layer.gate_up.forward(&h, n)?;
             let ff = c.ffn_dim;
-            for t in 0..n {
-                let (g, u) = gu[t * 2 * ff..(t + 1) * 2 * ff].split_at(ff);
-                if let Some(rec) = &mut self.record {
-                    // Every neuron's |silu(gate)|, token by token.
+            if let Some(rec) = &mut self.record {
+                // Every neuron's |silu(gate)|, token by token.
+                for t in 0..n {
+                    let g = &gu[t * 2 * ff..t * 2 * ff + ff];
                     rec[li].extend(g.iter().map(|&g| (g / (1.0 + (-g).exp())).abs()));
                 }
-                let a = &mut act[t * ff..(t + 1) * ff];
-                if gemma {
-                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-                        *a = gelu_tanh(g) * u;
-                    }
-                } else {
-                    for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-                        *a = g / (1.0 + (-g).exp()) * u;
+            }
+            // The gated activation, tokens shared out over the threads (a
+            // prefill chunk's is millions of exp or tanh).
+            let per_task = ACT_TOKENS_PER_TASK * ff;
+            native_backend().for_chunks(&mut act[..n * ff], per_task, |i, out| {
+                let first = i * ACT_TOKENS_PER_TASK;
+                for (t, a) in out.chunks_exact_mut(ff).enumerate() {
+                    let row = (first + t) * 2 * ff;
+                    let (g, u) = gu[row..row + 2 * ff].split_at(ff);
+                    if gemma {
+                        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                            *a = gelu_tanh(g) * u;
+                        }
+                    } else {
+                        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                            *a = g / (1.0 + (-g).exp()) * u;
+                        }
                     }
                 }
-            }
+            });
             let mut dn = layer.down.forward(&act, n)?;
             if let Some((_, pf)) = &layer.post_norms {
                 for r in dn.chunks_exact_mut(d) {
@@ -504,4 +521,30 @@ pub fn argmax(logits: &[f32]) -> Option<usize> {
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(i, _)| i)
+}
+
+#[cfg(test)]
+mod tests {
+    /// The exp form of GELU-tanh against the tanh form in f64, over the
+    /// range activations take and past both saturations.
+    #[test]
+    fn gelu_tanh_matches_the_tanh_form() {
+        for i in -4000..=4000 {
+            let x = i as f32 * 0.01;
+            let xd = f64::from(x);
+            let want = 0.5
+                * xd
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * (xd + 0.044_715 * xd.powi(3))).tanh());
+            let got = f64::from(super::gelu_tanh(x));
+            // A few f32 roundings of |x| (exp's error scaled by the
+            // sigmoid's slope stays below |x| eps).
+            assert!(
+                (got - want).abs() <= 8.0 * f64::from(f32::EPSILON) * xd.abs() + 1e-37,
+                "x = {x}: {got} against {want}"
+            );
+        }
+        assert_eq!(super::gelu_tanh(-1e30), 0.0);
+        assert_eq!(super::gelu_tanh(1e30), 1e30);
+    }
 }

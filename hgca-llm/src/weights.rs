@@ -160,9 +160,10 @@ impl NativePart {
     }
 }
 
-/// The backend of [`WeightFormat::Native`]'s kernels: the best ISA, on
+/// The backend of [`WeightFormat::Native`]'s kernels (and of the model's own
+/// parallel loops): the best ISA, on
 /// candle's threads (those of the other matmuls).
-fn native_backend() -> &'static hgca_cpu::CpuBackend {
+pub(crate) fn native_backend() -> &'static hgca_cpu::CpuBackend {
     static CPU: std::sync::OnceLock<hgca_cpu::CpuBackend> = std::sync::OnceLock::new();
     CPU.get_or_init(crate::threads::cpu_backend)
 }
