@@ -240,14 +240,10 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn path_follows_proc_cpuinfo() {
     use hgca_cpu::{Isa, IsaKind, QDotPath};
-    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
-        hgca_testkit::require::skip("proc-cpuinfo", "/proc/cpuinfo unreadable");
+    let Some(flags) = hgca_testkit::require::cpuinfo_flags() else {
         return;
     };
-    let vnni = info
-        .lines()
-        .find(|l| l.starts_with("flags"))
-        .is_some_and(|l| l.split_whitespace().any(|f| f == "avx512_vnni"));
+    let vnni = flags.contains("avx512_vnni");
     for isa in Isa::available() {
         let want = match isa.kind() {
             IsaKind::V4 if vnni => QDotPath::Avx512Vnni,

@@ -63,3 +63,19 @@ pub fn available<T, E: std::error::Error + 'static>(
         }
     }
 }
+
+/// The first CPU's flags from `/proc/cpuinfo` (read independently of any
+/// library's detection), or `None` after [`skip`] of `proc-cpuinfo` where
+/// the file cannot be read.
+///
+/// # Panics
+/// When the file is unreadable and `proc-cpuinfo` is required.
+pub fn cpuinfo_flags() -> Option<std::collections::HashSet<String>> {
+    let info = available("proc-cpuinfo", std::fs::read_to_string("/proc/cpuinfo"))?;
+    Some(
+        info.lines()
+            .find(|l| l.starts_with("flags"))
+            .map(|l| l.split_whitespace().map(str::to_owned).collect())
+            .unwrap_or_default(),
+    )
+}
