@@ -11,11 +11,11 @@
 //! "% of peak" compares it with the f32 FMA probe of the same run on as
 //! many threads (the target: >= 50% on one core).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use criterion::Criterion;
-use hgca_benches::{fill, fma_peak};
-use hgca_cpu::{CpuBackend, IsaKind, Par};
+use hgca_benches::{criterion, fill, fma_peak, par};
+use hgca_cpu::{CpuBackend, IsaKind};
 use hgca_kernels::{AttnShape, KvElem, KvSlices, Partial, PartialLayout, bf16, f16};
 
 const CHUNK: usize = 512;
@@ -90,14 +90,7 @@ fn run<T: KvElem>(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>, sh
         for depth in [0usize, 4096] {
             let c = case::<T>(shape, depth);
             for threads in [1usize, 2] {
-                let cpu = base
-                    .clone()
-                    .with_par(if threads == 1 {
-                        Par::Seq
-                    } else {
-                        Par::Rayon(threads)
-                    })
-                    .expect("pool");
+                let cpu = base.clone().with_par(par(threads)).expect("pool");
                 for (path, per) in [("tiled", CHUNK), ("per-query", SMALL)] {
                     let id = format!(
                         "append/{}/{name}/{path}/depth{depth}-t{threads}",
@@ -132,10 +125,7 @@ fn run<T: KvElem>(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>, sh
 fn main() {
     let peak = [fma_peak(1, 5), fma_peak(2, 5)];
     let shape = AttnShape::new(14, 2, 64).expect("shape");
-    let mut crit = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(1))
-        .configure_from_args();
+    let mut crit = criterion(300, 1000);
     let mut rows = Vec::new();
     run::<f32>(&mut crit, &mut rows, &shape);
     run::<f16>(&mut crit, &mut rows, &shape);

@@ -22,8 +22,8 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
 use half::{bf16, f16};
-use hgca_benches::{BenchBuf, Probe, Report, fill};
-use hgca_cpu::{CpuBackend, Isa, IsaKind, Par};
+use hgca_benches::{BenchBuf, Probe, Report, criterion, fill, par};
+use hgca_cpu::{CpuBackend, Isa, IsaKind};
 use hgca_kernels::{
     AttnShape, KvElem, KvSlices, Partial, PartialLayout, Selection, SparseAttention,
 };
@@ -144,13 +144,7 @@ fn run_hgca<T: KvElem>(crit: &mut Criterion, rep: &Report, c: Cfg) {
         eprintln!("skip {}: no {} on this CPU", c.id(), c.isa.name());
         return;
     };
-    let b = b
-        .with_par(if c.threads == 1 {
-            Par::Seq
-        } else {
-            Par::Rayon(c.threads)
-        })
-        .unwrap();
+    let b = b.with_par(par(c.threads)).unwrap();
     let shape = AttnShape::new(c.q_heads, c.kv_heads, c.d).unwrap();
     let dat = data::<T>(&c);
     let kv = KvSlices::new(c.kv_heads, c.d, c.tokens, &dat.k, &dat.v).unwrap();
@@ -340,10 +334,7 @@ fn configs() -> Vec<Cfg> {
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
-    let mut crit = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(500))
-        .measurement_time(std::time::Duration::from_secs(2))
-        .configure_from_args();
+    let mut crit = criterion(500, 2000);
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     for c in configs() {
         if filter.as_deref().is_some_and(|f| !c.id().contains(f)) {

@@ -11,8 +11,8 @@
 //! same run (the target: >= 60%).
 
 use criterion::Criterion;
-use hgca_benches::{Probe, Report, fill};
-use hgca_cpu::{CpuBackend, Isa, Par};
+use hgca_benches::{Probe, Report, criterion, fill, par};
+use hgca_cpu::{CpuBackend, Isa};
 use hgca_kernels::{BlockQ4_0, BlockQ5_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, WeightElem, f16};
 
 const D: usize = 896;
@@ -47,13 +47,7 @@ fn run<W: WeightElem>(crit: &mut Criterion, rep: &Report, isa: &str, ws: &[[Vec<
             .filter(|&i| pct == 100 || (r[i as usize] + 1.0) * 50.0 < pct as f32)
             .collect();
         for threads in [1usize, 2] {
-            let cpu = CpuBackend::new()
-                .with_par(if threads == 1 {
-                    Par::Seq
-                } else {
-                    Par::Rayon(threads)
-                })
-                .expect("pool");
+            let cpu = CpuBackend::new().with_par(par(threads)).expect("pool");
             let weights: Vec<FfnWeights<'_, W>> = ws
                 .iter()
                 .map(|[g, u, d]| FfnWeights::new(D, NFF, g, u, d).expect("lengths"))
@@ -84,10 +78,7 @@ fn run<W: WeightElem>(crit: &mut Criterion, rep: &Report, isa: &str, ws: &[[Vec<
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
-    let mut crit = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(300))
-        .measurement_time(std::time::Duration::from_secs(1))
-        .configure_from_args();
+    let mut crit = criterion(300, 1000);
     let isa = Isa::detect().kind().name();
     run(
         &mut crit,

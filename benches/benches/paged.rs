@@ -17,8 +17,8 @@ use std::hint::black_box;
 
 use criterion::{Criterion, Throughput};
 use half::f16;
-use hgca_benches::{BenchBuf, Probe, Report, fill};
-use hgca_cpu::{BatchTokens, CpuBackend, Isa, Par};
+use hgca_benches::{BenchBuf, Probe, Report, criterion, fill, par};
+use hgca_cpu::{BatchTokens, CpuBackend, Isa};
 use hgca_kernels::{
     AttnShape, BlockTable, KvStore, LseFormat, PagedBatch, PagedPool, Partial, PartialLayout,
     Selection, SparseAttention,
@@ -98,12 +98,7 @@ fn vllm_cpu(seqs: &[&Seq], bs: usize) -> (BenchBuf<f16>, usize, Vec<Vec<u32>>) {
 }
 
 fn backend(threads: usize) -> CpuBackend {
-    let par = if threads == 1 {
-        Par::Seq
-    } else {
-        Par::Rayon(threads)
-    };
-    CpuBackend::new().with_par(par).unwrap()
+    CpuBackend::new().with_par(par(threads)).unwrap()
 }
 
 fn bytes(selected: usize, b: usize) -> u64 {
@@ -344,10 +339,7 @@ fn shared(crit: &mut Criterion, rep: &Report, filter: &Option<String>, isa: &str
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
-    let mut crit = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(500))
-        .measurement_time(std::time::Duration::from_secs(2))
-        .configure_from_args();
+    let mut crit = criterion(500, 2000);
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let isa = Isa::detect().kind().name();
     single(&mut crit, &rep, &filter, isa);

@@ -11,8 +11,8 @@
 //! with the streaming read probe measured in the same run.
 
 use criterion::Criterion;
-use hgca_benches::{Probe, Report, fill};
-use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, Par, Q8Acts, QDotPath};
+use hgca_benches::{Probe, Report, criterion, fill, par};
+use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, Q8Acts, QDotPath};
 use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
 
 const K: usize = 896;
@@ -50,14 +50,9 @@ fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B
     let mut y = vec![0.0f32; rows];
     for (isa, path) in paths() {
         for threads in [1usize, 2] {
-            let par = if threads == 1 {
-                Par::Seq
-            } else {
-                Par::Rayon(threads)
-            };
             let cpu = CpuBackend::new()
                 .with_isa(isa)
-                .and_then(|c| c.with_par(par))
+                .and_then(|c| c.with_par(par(threads)))
                 .expect("a detected ISA and a pool");
             let bytes = (ws[0].len() * size_of::<B>()) as u64;
             let set = ws.len() * ws[0].len() * size_of::<B>();
@@ -75,10 +70,7 @@ fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
-    let mut crit = Criterion::default()
-        .warm_up_time(std::time::Duration::from_millis(300))
-        .measurement_time(std::time::Duration::from_secs(1))
-        .configure_from_args();
+    let mut crit = criterion(300, 1000);
     let ff = 2 * 4864;
     run(
         &mut crit,

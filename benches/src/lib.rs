@@ -510,3 +510,22 @@ pub fn fma_peak(threads: usize, reps: usize) -> f64 {
     }
     (threads * iters * 16 * lanes * 2) as f64 / best
 }
+
+/// The backend threading of a bench run on `threads` threads: sequential
+/// for one (no pool to wake), rayon's pool otherwise.
+pub fn par(threads: usize) -> hgca_cpu::Par {
+    if threads == 1 {
+        hgca_cpu::Par::Seq
+    } else {
+        hgca_cpu::Par::Rayon(threads)
+    }
+}
+
+/// Criterion with the given warm-up and measurement times (milliseconds),
+/// then the command line's options.
+pub fn criterion(warm_up_ms: u64, measurement_ms: u64) -> criterion::Criterion {
+    criterion::Criterion::default()
+        .warm_up_time(Duration::from_millis(warm_up_ms))
+        .measurement_time(Duration::from_millis(measurement_ms))
+        .configure_from_args()
+}
