@@ -229,14 +229,6 @@ fn axpy_q8<S: Kern>(s: S, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
     }
 }
 
-#[inline(always)]
-fn activate(act: FfnAct, g: f32) -> f32 {
-    match act {
-        FfnAct::Silu => g / (1.0 + (-g).exp()),
-        FfnAct::Relu => g.max(0.0),
-    }
-}
-
 /// One neuron for one token (`x`, `y`: `d` values): its gate row's dot
 /// product decides (with a threshold), then its up row's, then its down
 /// row is added into `y`; `dot` and `axpy` read a row in its format.
@@ -252,7 +244,7 @@ fn neuron<W: WeightElem>(
     dot: impl Fn(&[W], &[f32]) -> f32,
     axpy: impl Fn(&[W], f32, &mut [f32]),
 ) {
-    let v = activate(act, dot(gate, x));
+    let v = act.apply(dot(gate, x));
     st.rows += 1;
     if threshold.is_some_and(|th| v.abs() <= th) {
         return;
@@ -361,7 +353,7 @@ fn ffn_part<S: Kern, W: WeightElem>(
         dequant_row(s, extra, gate, &mut g);
         let mut any = false;
         for (t, at) in a.iter_mut().enumerate() {
-            let v = activate(act, dot_row(s, extra, &g, &x[t * d..(t + 1) * d]));
+            let v = act.apply(dot_row(s, extra, &g, &x[t * d..(t + 1) * d]));
             let keep = !threshold.is_some_and(|th| v.abs() <= th);
             *at = if keep { v } else { f32::NAN };
             any |= keep;

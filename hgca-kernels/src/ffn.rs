@@ -24,6 +24,21 @@ pub enum FfnAct {
 }
 
 impl FfnAct {
+    /// The activation of `g`, in f32 (the kernels' form).
+    ///
+    /// ```
+    /// use hgca_kernels::FfnAct;
+    /// assert_eq!(FfnAct::Silu.apply(0.0), 0.0);
+    /// assert_eq!(FfnAct::Relu.apply(-2.0), 0.0);
+    /// ```
+    #[inline(always)]
+    pub fn apply(self, g: f32) -> f32 {
+        match self {
+            FfnAct::Silu => g / (1.0 + (-g).exp()),
+            FfnAct::Relu => g.max(0.0),
+        }
+    }
+
     /// The activation of `g`, in f64 (the reference's form).
     pub fn apply_f64(self, g: f64) -> f64 {
         match self {

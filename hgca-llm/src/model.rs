@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use hgca_hybrid::{FullAttention, SequenceAttention, SlidingAttention};
-use hgca_kernels::{AttnShape, KvElem};
+use hgca_kernels::{AttnShape, FfnAct, KvElem};
 
 use crate::gguf::Arch;
 use crate::profile::{Laps, Profile};
@@ -86,8 +86,9 @@ const ACT_TOKENS_PER_TASK: usize = 16;
 
 /// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`),
 /// `x (1 + tanh y) / 2` with `y = sqrt(2/pi) (x + 0.044715 x^3)`, written as
-/// `x / (1 + e^(-2y))` (the same function: one `exp`, a third of libm's
-/// `tanhf` here; it tends to 0 and to `x` without overflow trouble).
+/// `x / (1 + e^(-2y))`: the same function with one `exp` in place of libm's
+/// `tanhf` (11% of a Gemma 3 prefill's samples here); it tends to 0 and to
+/// `x` without overflow trouble.
 fn gelu_tanh(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
     let y = C * (x + 0.044_715 * x * x * x);
@@ -456,7 +457,7 @@ impl Llama {
                 // Every neuron's |silu(gate)|, token by token.
                 for t in 0..n {
                     let g = &gu[t * 2 * ff..t * 2 * ff + ff];
-                    rec[li].extend(g.iter().map(|&g| (g / (1.0 + (-g).exp())).abs()));
+                    rec[li].extend(g.iter().map(|&g| FfnAct::Silu.apply(g).abs()));
                 }
             }
             // The gated activation, tokens shared out over the threads (a
@@ -473,7 +474,7 @@ impl Llama {
                         }
                     } else {
                         for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
-                            *a = g / (1.0 + (-g).exp()) * u;
+                            *a = FfnAct::Silu.apply(g) * u;
                         }
                     }
                 }
