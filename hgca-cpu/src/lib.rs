@@ -17,6 +17,7 @@
 mod backend;
 mod batch;
 mod ffn;
+mod int4dot;
 pub mod isa;
 mod kernel;
 mod plan;
@@ -30,5 +31,5 @@ pub use batch::{BatchTokens, Shard};
 pub use ffn::FfnStats;
 pub use isa::{Isa, IsaKind};
 pub use qdot::{DotBlock, DotKind, Q8Acts, QDotPath};
-pub use select::{INT8_TILE, Int4Keys, Int8Keys, quantize_i4, quantize_i8};
+pub use select::{INT4_GROUP, INT8_TILE, Int4Keys, Int8Keys, quantize_i4, quantize_i8};
 pub use window::{CpuPending, CpuWindow};

@@ -115,16 +115,26 @@ impl CpuBackend {
         Ok(())
     }
 
-    /// [`Self::int8_max_scores`] over an int4 copy of the keys
-    /// ([`Int4Keys`], codes from [`quantize_i4`]): the same formula, with
-    /// `keys` holding two codes per byte in tiles of [`INT8_TILE`] rows,
-    /// dimension-major, so that row `j`'s element `i` is in byte
-    /// `(j / INT8_TILE) * INT8_TILE / 2 * d + i * INT8_TILE / 2 + j % 8`,
-    /// the low nibble for `j % INT8_TILE < 8` and the high one otherwise
-    /// (two's complement, `-7..=7`). Each estimate is within
-    /// `|q_h|_1 k_scale[j] / 2` (plus f32 rounding) of the exact `q_h·k_j`,
-    /// with a scale of `max |k| / 7`: an eighth of an f32 key's bytes and a
-    /// quarter of an f16 key's. Non-finite scales give `+inf`.
+    /// Estimated scores from an int4 copy of the keys ([`Int4Keys`], codes
+    /// `c` from [`quantize_i4`], scales `k_scale`), the largest over the
+    /// query rows, as integer dot products: each query row is first
+    /// quantised to int8 ([`quantize_i8`]: codes `qc_h`, scale `s_h`), and
+    ///
+    /// `out[j] = max_h (((Σ_i qc[h, i] c(j, i)) * s_h) * k_scale[j] - offset[h])`
+    ///
+    /// (f32 products in that order). `keys` holds tiles of [`INT8_TILE`]
+    /// rows, each of `d.div_ceil(8)` groups of 8 dimensions, each group 64
+    /// bytes: byte `4 r + m` of group `g` holds row `r`'s dimension `8 g + m`
+    /// in its low nibble and `8 g + 4 + m` in its high one, as `c + 8`
+    /// (`1..=15`; padding dimensions hold 8). That is the operand layout of
+    /// `vpdpbusd`, which multiplies one group of 16 rows by four query
+    /// codes in one instruction (AVX-512 VNNI; AVX2 uses `vpmaddubsw`; every
+    /// path gives the same bits). Each estimate is within
+    /// `|q_h|_1 k_scale[j] / 2 + s_h (|k_j|_1 + d k_scale[j] / 2) / 2` (plus
+    /// f32 rounding) of the exact `q_h·k_j`, with key scales of `max |k| /
+    /// 7`: an eighth of an f32 key's bytes and a quarter of an f16 key's.
+    /// Non-finite key scales give `+inf`, and so does every row when a
+    /// query row is not finite.
     ///
     /// ```
     /// use hgca_cpu::{CpuBackend, Int4Keys};
@@ -157,21 +167,24 @@ impl CpuBackend {
         check_len_of("q", &[heads, d], q.len())?;
         check_len_of(
             "keys (whole tiles)",
-            &[n.div_ceil(INT8_TILE), INT8_TILE / 2, d],
+            &[
+                n.div_ceil(INT8_TILE),
+                d.div_ceil(INT4_GROUP),
+                crate::int4dot::GROUP_BYTES,
+            ],
             keys.len(),
         )?;
         check_len("out (one per key row)", n, out.len())?;
-        out.fill(f32::NEG_INFINITY);
-        for (qp, op) in q.chunks(8 * d).zip(offset.chunks(8)) {
-            macro_rules! rows {
-                ($($h:literal)*) => {
-                    match op.len() {
-                        $($h => dispatch!(self.isa(), _s => int4_scores::<$h>(qp, op, d, keys, k_scale, out)),)*
-                        _ => unreachable!("chunks of at most 8 rows"),
-                    }
-                };
+        if heads == 0 {
+            out.fill(f32::NEG_INFINITY);
+            return Ok(());
+        }
+        match crate::int4dot::Queries::new(q, heads, d) {
+            Some(qs) => {
+                let path = Self::qmatvec_path(self.isa());
+                crate::int4dot::scores(path, &qs, offset, keys, k_scale, out);
             }
-            rows!(1 2 3 4 5 6 7 8);
+            None => out.fill(f32::INFINITY),
         }
         Ok(())
     }
@@ -478,7 +491,7 @@ fn bounds_heads<S: Kern, T: SimdElem, const H: usize>(
 /// element type of the codes, `$per_tile` the codes' elements per tile and
 /// dimension.
 macro_rules! tiled_accessors {
-    ($name:literal, $code:ty, $per_tile:expr) => {
+    ($name:literal, $code:ty) => {
         /// An empty copy of rows of `d` elements.
         pub fn new(d: usize) -> Self {
             Self {
@@ -495,6 +508,12 @@ macro_rules! tiled_accessors {
         /// Whether no row is held.
         pub fn is_empty(&self) -> bool {
             self.scales.is_empty()
+        }
+
+        /// Removes every row (the capacity stays).
+        pub fn clear(&mut self) {
+            self.codes.clear();
+            self.scales.clear();
         }
 
         /// The codes, tiled (whole tiles).
@@ -517,7 +536,7 @@ macro_rules! tiled_accessors {
                 range.start.is_multiple_of(INT8_TILE),
                 concat!($name, "::rows: a tile boundary")
             );
-            let t = self.d * $per_tile;
+            let t = self.tile_len();
             let tiles = range.start / INT8_TILE..range.end.div_ceil(INT8_TILE);
             (
                 &self.codes[tiles.start * t..tiles.end * t],
@@ -559,12 +578,21 @@ impl Int8Keys {
         }
     }
 
-    tiled_accessors!("Int8Keys", i8, INT8_TILE);
+    tiled_accessors!("Int8Keys", i8);
+
+    /// Codes per tile.
+    fn tile_len(&self) -> usize {
+        INT8_TILE * self.d
+    }
 }
 
+/// Dimensions per group of the int4 layout of
+/// [`CpuBackend::int4_max_scores`] (a group of a tile is 64 bytes).
+pub const INT4_GROUP: usize = 8;
+
 /// An int4 copy of key rows in the tiled layout of
-/// [`CpuBackend::int4_max_scores`] (two codes per byte), one scale per row
-/// ([`quantize_i4`]).
+/// [`CpuBackend::int4_max_scores`] (two codes per byte, biased by 8), one
+/// scale per row ([`quantize_i4`]).
 #[derive(Debug, Clone, Default)]
 pub struct Int4Keys {
     d: usize,
@@ -581,26 +609,32 @@ impl Int4Keys {
     pub fn push(&mut self, k: &[f32]) {
         let (d, j) = (self.d, self.scales.len());
         assert_eq!(k.len(), d, "Int4Keys::push: a row of d elements");
-        self.row.resize(d, 0);
-        self.scales.push(quantize_i4(k, &mut self.row));
-        const HALF: usize = INT8_TILE / 2;
+        self.row.clear();
+        self.row.resize(d.div_ceil(INT4_GROUP) * INT4_GROUP, 0);
+        self.scales.push(quantize_i4(k, &mut self.row[..d]));
+        let t = self.tile_len();
         if j % INT8_TILE == 0 {
-            self.codes.resize(self.codes.len() + HALF * d, 0);
+            self.codes.resize(self.codes.len() + t, 0);
         }
-        let tile = &mut self.codes[(j / INT8_TILE) * HALF * d..][..HALF * d];
-        let (lane, high) = (j % HALF, j % INT8_TILE >= HALF);
-        for (i, &c) in self.row.iter().enumerate() {
-            let b = &mut tile[i * HALF + lane];
-            let nib = (c as u8) & 0x0f;
-            *b = if high {
-                (*b & 0x0f) | (nib << 4)
-            } else {
-                (*b & 0xf0) | nib
-            };
+        let tile = &mut self.codes[(j / INT8_TILE) * t..][..t];
+        let r = j % INT8_TILE;
+        for (grp, c) in tile
+            .chunks_exact_mut(INT8_TILE * INT4_GROUP / 2)
+            .zip(self.row.chunks_exact(INT4_GROUP))
+        {
+            for m in 0..INT4_GROUP / 2 {
+                let (lo, hi) = ((c[m] + 8) as u8, (c[m + INT4_GROUP / 2] + 8) as u8);
+                grp[4 * r + m] = lo | (hi << 4);
+            }
         }
     }
 
-    tiled_accessors!("Int4Keys", u8, INT8_TILE / 2);
+    tiled_accessors!("Int4Keys", u8);
+
+    /// Bytes per tile.
+    fn tile_len(&self) -> usize {
+        INT8_TILE * self.d.div_ceil(INT4_GROUP) * INT4_GROUP / 2
+    }
 
     /// Row `j`'s element `i` as its code (`-7..=7`).
     ///
@@ -608,13 +642,10 @@ impl Int4Keys {
     /// When `j` or `i` is out of range.
     pub fn code(&self, j: usize, i: usize) -> i8 {
         assert!(j < self.len() && i < self.d, "Int4Keys::code: out of range");
-        const HALF: usize = INT8_TILE / 2;
-        let b = self.codes[(j / INT8_TILE) * HALF * self.d + i * HALF + j % HALF];
-        if j % INT8_TILE >= HALF {
-            (b as i8) >> 4
-        } else {
-            ((b << 4) as i8) >> 4
-        }
+        let g = (j / INT8_TILE) * self.tile_len() + (i / INT4_GROUP) * INT8_TILE * INT4_GROUP / 2;
+        let b = self.codes[g + 4 * (j % INT8_TILE) + i % 4];
+        let nib = if i % INT4_GROUP < 4 { b & 15 } else { b >> 4 };
+        nib as i8 - 8
     }
 }
 
@@ -673,27 +704,6 @@ fn int8_scores<const H: usize>(
     tile_scores::<H, i8>(q, off, d, keys, INT8_TILE, ks, out, |col, k| {
         for (x, &c) in k.iter_mut().zip(col) {
             *x = f32::from(c);
-        }
-    });
-}
-
-/// [`CpuBackend::int4_max_scores`] for `H` query rows: each dimension's 8
-/// bytes unpacked to the tile's 16 codes (low nibbles first).
-#[inline(always)]
-fn int4_scores<const H: usize>(
-    q: &[f32],
-    off: &[f32],
-    d: usize,
-    keys: &[u8],
-    ks: &[f32],
-    out: &mut [f32],
-) {
-    const HALF: usize = INT8_TILE / 2;
-    tile_scores::<H, u8>(q, off, d, keys, HALF, ks, out, |col, k| {
-        let (lo, hi) = k.split_at_mut(HALF);
-        for ((l, h), &c) in lo.iter_mut().zip(hi.iter_mut()).zip(col) {
-            *l = f32::from(((c << 4) as i8) >> 4);
-            *h = f32::from((c as i8) >> 4);
         }
     });
 }

@@ -10,10 +10,11 @@
 //!    score in it. Blocks whose bounded mass, summed from the smallest,
 //!    stays within a quarter of the budget are dropped unseen: what they
 //!    hold is at most that (the bound is rigorous; the normaliser is an
-//!    estimate).
-//! 2. **A low-bit copy of the keys** ([`KeyCodes`]: int4 or int8 codes,
-//!    one scale per row, after a per-channel whitening): estimated scores
-//!    of every entry of the remaining blocks.
+//!    estimate). A head skips them for a while after they dropped nothing
+//!    (on real models' keys they hardly ever do).
+//! 2. **A low-bit copy of the keys** ([`KeyCodes`]: int4 codes of keys
+//!    whitened per channel, or int8 codes; one scale per row): estimated
+//!    scores of every entry of the remaining blocks.
 //!
 //! The weights are normalised against the union of the window and the CPU
 //! store: the reference is the union's lse of the previous step, and the
@@ -32,10 +33,15 @@ enum Codes {
 }
 
 /// The low-bit copy of one KV head's CPU keys: each row (for int4 codes)
-/// whitened per channel, `(k - center) / gain`, then quantised with its own scale. The
-/// centre and gain come from the first rows pushed (the sinks left out when
-/// there are others): a fixed affine map, which the estimate folds into the
-/// query (`q·k = (q ∘ gain)·k' + q·center`).
+/// whitened per channel, `(k - center) / gain`, then quantised with its own
+/// scale. The centre and gain are the per-channel mean and deviation of
+/// the rows held (the sinks left out when there are others), measured again
+/// each time the rows double, when every row is encoded anew from the
+/// store: an affine map the estimate folds into the query (`q·k = (q ∘
+/// gain)·k' + q·center`), fitted to more of the keys as the context grows
+/// (fitted to the first evicted block alone, the int4 estimate needed
+/// twice the entries on Qwen2.5-0.5B's keys), at an amortised cost of one
+/// more encoding of each row.
 #[derive(Debug, Clone)]
 pub(crate) struct KeyCopy {
     codes: Codes,
@@ -43,6 +49,8 @@ pub(crate) struct KeyCopy {
     /// for int8, whose rows are quantised as they are).
     center: Vec<f32>,
     gain: Vec<f32>,
+    /// Rows the whitening was measured on (0: none yet).
+    calibrated: usize,
     row: Vec<f32>,
 }
 
@@ -55,6 +63,7 @@ impl KeyCopy {
             },
             center: Vec::new(),
             gain: Vec::new(),
+            calibrated: 0,
             row: vec![0.0; d],
         }
     }
@@ -67,22 +76,36 @@ impl KeyCopy {
         }
     }
 
-    /// Appends `rows` (`[n, d]`), the first being entry `self.len()`; the
-    /// first call also fixes the whitening, from its rows at or past
-    /// `sinks` (all of them when there are no others).
-    pub(crate) fn push<T: KvElem>(&mut self, rows: &[T], sinks: usize) {
-        let d = self.row.len();
-        if d == 0 {
+    /// Encodes the rows of KV head `head` that `store` holds past the ones
+    /// copied (all of them again, after a new whitening, when an int4 copy's
+    /// rows reach twice those it was measured on, or when the store holds
+    /// fewer rows than the copy).
+    pub(crate) fn sync<T: KvElem, S: KvSource<T> + ?Sized>(
+        &mut self,
+        store: &S,
+        head: usize,
+        sinks: usize,
+    ) {
+        let (d, n) = (self.row.len(), store.tokens());
+        if d == 0 || n == self.len() {
             return;
         }
-        // Int8 rows go as they are: whitening them selected more entries
-        // for no better answers (Qwen2.5-0.5B, 4k ruler).
-        if self.gain.is_empty() && matches!(self.codes, Codes::Int4(_)) {
-            let n = rows.len() / d;
-            let skip = if sinks < n { sinks } else { 0 };
-            self.calibrate(&rows[skip * d..]);
+        let int4 = matches!(self.codes, Codes::Int4(_));
+        if n < self.len() || (int4 && n >= 2 * self.calibrated) {
+            match &mut self.codes {
+                Codes::Int8(c) => c.clear(),
+                Codes::Int4(c) => c.clear(),
+            }
+            if int4 {
+                // Int8 rows go as they are: whitening them selected more
+                // entries for no better answers (Qwen2.5-0.5B, 4k ruler).
+                let skip = if sinks < n { sinks } else { 0 };
+                self.calibrate((skip..n).map(|j| store.k_row(head, j)));
+                self.calibrated = n;
+            }
         }
-        for k in rows.chunks_exact(d) {
+        for j in self.len()..n {
+            let k = store.k_row(head, j);
             if self.gain.is_empty() {
                 for (r, &x) in self.row.iter_mut().zip(k) {
                     *r = x.to_f32();
@@ -104,10 +127,10 @@ impl KeyCopy {
     /// The per-channel mean and standard deviation of `rows` (finite values
     /// only), the gains floored at a hundredth of the largest (a channel
     /// nearly constant in the first rows must not blow up later ones).
-    fn calibrate<T: KvElem>(&mut self, rows: &[T]) {
+    fn calibrate<'a, T: KvElem + 'a>(&mut self, rows: impl Iterator<Item = &'a [T]>) {
         let d = self.row.len();
         let (mut sum, mut sq, mut cnt) = (vec![0f64; d], vec![0f64; d], vec![0u32; d]);
-        for k in rows.chunks_exact(d) {
+        for k in rows {
             for (i, &x) in k.iter().enumerate() {
                 let x = f64::from(x.to_f32());
                 if x.is_finite() {
@@ -230,6 +253,8 @@ pub(crate) struct HeadReport {
     /// Entries whose low-bit estimate was computed (the rest were dropped by
     /// their block bounds).
     pub(crate) estimated_entries: usize,
+    /// Blocks whose key bounds were read.
+    pub(crate) bounded_blocks: usize,
 }
 
 /// Reused buffers of one head's selection.
@@ -247,14 +272,34 @@ pub(crate) struct Scratch {
     /// Per unit of a row's scale, the admission margin of its estimate
     /// (0 for exact scores).
     margin: f32,
+    /// Steps left before the block bounds are read again.
+    bounds_idle: u32,
+    /// Blocks whose bounds the last step read.
+    bounded_blocks: usize,
 }
+
+/// Steps the block bounds are skipped for after a step where they dropped
+/// no block. On real keys they are loose: they dropped none on Qwen2.5-0.5B
+/// and Gemma 3 at 4k-16k tokens (the bytes read were those of the selected
+/// rows, every entry's low-bit row and every block's bounds, to the
+/// rounding), where reading them cost a 64th of full attention's bytes
+/// (blocks of 64, bounds of two rows); they pay on sharp heads over
+/// clustered keys (the synthetic harness). Skipping only estimates more
+/// entries, never fewer.
+const BOUNDS_IDLE: u32 = 15;
 
 /// The admission margin of int4 estimates in standard deviations of their
 /// rounding error: an entry is admitted when its estimate is within this
-/// many of them below the threshold. Without it the entries left out are those the
-/// rounding pushed down (chosen by their error), and with int4 codes the
-/// mass they truly hold was several times the budget.
-const MARGIN_SIGMAS: f32 = 2.0;
+/// many of them below the threshold. Without one, the entries left out
+/// next to the threshold are those the rounding pushed down: on the
+/// synthetic scattered shift (48 needles of equal score holding 99% of the
+/// mass, target 0.99) 4% of the mass went missing. On real keys the
+/// errors cancel and the margin only adds entries (`scripts/selector_study.py`
+/// over Qwen2.5-0.5B's keys at 4096 tokens: 17.9% of the entries admitted
+/// with none, 21.7% with half a sigma, 33.7% with two, and with two a
+/// quarter of the head-steps fell back to dense); half a sigma holds the
+/// synthetic needles.
+const MARGIN_SIGMAS: f32 = 0.5;
 
 /// One KV head's inputs.
 pub(crate) struct Head<'a, T> {
@@ -316,6 +361,7 @@ pub(crate) fn select<T: KvElem>(
             estimated: 1.0,
             dense: true,
             estimated_entries: 0,
+            bounded_blocks: 0,
         });
     }
     let budget = 1.0 - target.target;
@@ -323,6 +369,7 @@ pub(crate) fn select<T: KvElem>(
         Some((keys, kvh)) => {
             exact_scores(h, keys, kvh, n, d, s);
             s.margin = 0.0;
+            s.bounded_blocks = 0;
             (0.0, n)
         }
         None => estimate(cpu, h, n, d, budget, win, s)?,
@@ -377,34 +424,44 @@ fn estimate<T: KvElem>(
     s: &mut Scratch,
 ) -> Result<(f64, usize)> {
     let (group, bt) = (h.lse_ref.len(), h.block);
-    // Stage 1: block bounds, as log weights against the reference.
     let nb = n.div_ceil(bt);
-    s.ub.resize(nb * group, 0.0);
-    cpu.block_upper_bounds(h.q, group, d, &h.bounds[..nb * 2 * d], &mut s.ub)?;
-    s.blocks.clear();
-    s.blocks.extend((0..nb).map(|b| {
-        let u = (0..group)
-            .map(|i| s.ub[b * group + i] * h.scale - h.lse_ref[i])
-            .fold(f32::NEG_INFINITY, f32::max);
-        (u, b as u32)
-    }));
-    s.blocks.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
     s.culled.clear();
     s.culled.resize(nb, false);
     let mut culled_mass = 0.0f64;
-    for &(u, b) in &s.blocks {
-        let b = b as usize;
-        if b * bt < h.sinks {
-            // The sinks' blocks are estimated (the sinks are taken anyway).
-            continue;
+    s.bounded_blocks = 0;
+    if s.bounds_idle > 0 {
+        // Stage 1 culled nothing when it last ran: skipped this step.
+        s.bounds_idle -= 1;
+    } else {
+        // Stage 1: block bounds, as log weights against the reference.
+        s.ub.resize(nb * group, 0.0);
+        cpu.block_upper_bounds(h.q, group, d, &h.bounds[..nb * 2 * d], &mut s.ub)?;
+        s.bounded_blocks = nb;
+        s.blocks.clear();
+        s.blocks.extend((0..nb).map(|b| {
+            let u = (0..group)
+                .map(|i| s.ub[b * group + i] * h.scale - h.lse_ref[i])
+                .fold(f32::NEG_INFINITY, f32::max);
+            (u, b as u32)
+        }));
+        s.blocks.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        for &(u, b) in &s.blocks {
+            let b = b as usize;
+            if b * bt < h.sinks {
+                // The sinks' blocks are estimated (the sinks are taken anyway).
+                continue;
+            }
+            let cnt = (n.min((b + 1) * bt) - b * bt) as f64;
+            let m = cnt * f64::from(u).exp() / f64::from(win);
+            if culled_mass + m > f64::from(budget) / 4.0 {
+                break;
+            }
+            culled_mass += m;
+            s.culled[b] = true;
         }
-        let cnt = (n.min((b + 1) * bt) - b * bt) as f64;
-        let m = cnt * f64::from(u).exp() / f64::from(win);
-        if culled_mass + m > f64::from(budget) / 4.0 {
-            break;
+        if !s.culled.contains(&true) {
+            s.bounds_idle = BOUNDS_IDLE;
         }
-        culled_mass += m;
-        s.culled[b] = true;
     }
     // Stage 2: low-bit estimates of the entries of the other blocks, in runs
     // of consecutive kept blocks (a run starts at a tile boundary: a few
@@ -550,6 +607,7 @@ fn admit<T: KvElem>(
             estimated: 1.0,
             dense: true,
             estimated_entries,
+            bounded_blocks: s.bounded_blocks,
         });
     }
     let omitted = if z > 0.0 {
@@ -561,6 +619,7 @@ fn admit<T: KvElem>(
         estimated: (1.0 - omitted).clamp(0.0, 1.0) as f32,
         dense: false,
         estimated_entries,
+        bounded_blocks: s.bounded_blocks,
     })
 }
 
@@ -577,13 +636,8 @@ mod tests {
     #[test]
     fn oracle_admits_by_exact_weight_to_the_target() {
         let (d, n) = (8usize, 300usize);
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut rnd = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rng = hgca_testkit::Rng::new(0x2545_F491_4F6C_DD1D);
+        let mut rnd = || rng.sym();
         let k: Vec<f32> = (0..n * d).map(|_| 3.0 * rnd()).collect();
         let mut store = KvStore::<f32>::new(1, d, 64).unwrap();
         store.push_head_major(n, &k, &k).unwrap();
@@ -657,6 +711,143 @@ mod tests {
                 r.estimated,
                 1.0 - out
             );
+        }
+    }
+    /// The int4 copy is whitened on the rows it holds and measured again
+    /// (every row encoded anew) when they double: synced in blocks of 64
+    /// up to 300 rows, it holds what a copy synced once at 256 and then at
+    /// 300 holds, its centre is the mean of rows 4..256 (the sinks left
+    /// out), and a copy of a store that shrank starts again.
+    #[test]
+    fn int4_copy_is_whitened_again_as_the_rows_double() {
+        let (d, n, sinks) = (8usize, 300usize, 4usize);
+        let mut rng = hgca_testkit::Rng::new(0x9E37_79B9_7F4A_7C15);
+        let mut rnd = || rng.sym();
+        // Channels whose spread grows along the sequence: a whitening
+        // fitted to the first rows alone differs from one fitted to more.
+        let k: Vec<f32> = (0..n * d)
+            .map(|e| (1.0 + (e / d) as f32 / 32.0) * rnd() + (e % d) as f32)
+            .collect();
+        let mut store = KvStore::<f32>::new(1, d, 64).unwrap();
+        let mut stepwise = KeyCopy::new(KeyCodes::Int4, d);
+        let mut first = None;
+        for c in k.chunks(64 * d) {
+            store.push_head_major(c.len() / d, c, c).unwrap();
+            stepwise.sync(&store, 0, sinks);
+            first.get_or_insert_with(|| stepwise.gain.clone());
+        }
+        assert_eq!(stepwise.len(), n);
+        let mut once = KeyCopy::new(KeyCodes::Int4, d);
+        let mut part = KvStore::<f32>::new(1, d, 64).unwrap();
+        part.push_head_major(256, &k[..256 * d], &k[..256 * d])
+            .unwrap();
+        once.sync(&part, 0, sinks);
+        part.push_head_major(n - 256, &k[256 * d..], &k[256 * d..])
+            .unwrap();
+        once.sync(&part, 0, sinks);
+        let (Codes::Int4(a), Codes::Int4(b)) = (&stepwise.codes, &once.codes) else {
+            unreachable!()
+        };
+        assert_eq!(a.codes(), b.codes());
+        assert_eq!(a.scales(), b.scales());
+        assert_eq!(stepwise.calibrated, 256);
+        for i in 0..d {
+            let m = (sinks..256).map(|j| f64::from(k[j * d + i])).sum::<f64>() / 252.0;
+            assert!(
+                (f64::from(stepwise.center[i]) - m).abs() < 1e-5,
+                "channel {i}"
+            );
+        }
+        assert_ne!(
+            first.unwrap(),
+            stepwise.gain,
+            "the whitening was never refitted"
+        );
+        // A store that holds fewer rows than the copy: encoded from scratch.
+        let mut short = KvStore::<f32>::new(1, d, 64).unwrap();
+        short
+            .push_head_major(100, &k[..100 * d], &k[..100 * d])
+            .unwrap();
+        stepwise.sync(&short, 0, sinks);
+        let mut fresh = KeyCopy::new(KeyCodes::Int4, d);
+        fresh.sync(&short, 0, sinks);
+        let (Codes::Int4(a), Codes::Int4(b)) = (&stepwise.codes, &fresh.codes) else {
+            unreachable!()
+        };
+        assert_eq!((a.codes(), a.scales()), (b.codes(), b.scales()));
+    }
+    /// The block bounds are read every step while they drop blocks, and
+    /// skipped for `BOUNDS_IDLE` steps after a step where they dropped none.
+    #[test]
+    fn block_bounds_are_skipped_while_they_drop_nothing() {
+        let (d, n, bt) = (8usize, 256usize, 64usize);
+        let mut rng = hgca_testkit::Rng::new(0xD1B5_4A32_D192_ED03);
+        let mut rnd = || rng.sym();
+        let k: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
+        let mut store = KvStore::<f32>::new(1, d, 64).unwrap();
+        store.push_head_major(n, &k, &k).unwrap();
+        let mut keys = KeyCopy::new(KeyCodes::Int4, d);
+        keys.sync(&store, 0, 0);
+        let mut bounds = Vec::new();
+        for b in k.chunks(bt * d) {
+            let lo = (0..d).map(|i| {
+                b.iter()
+                    .skip(i)
+                    .step_by(d)
+                    .copied()
+                    .fold(f32::INFINITY, f32::min)
+            });
+            let hi = (0..d).map(|i| {
+                b.iter()
+                    .skip(i)
+                    .step_by(d)
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max)
+            });
+            bounds.extend(lo.collect::<Vec<_>>());
+            bounds.extend(hi.collect::<Vec<_>>());
+        }
+        let q: Vec<f32> = (0..d).map(|_| rnd()).collect();
+        let run = |lse_ref: f32, win_lse: f32| -> Vec<usize> {
+            let (r, w) = ([lse_ref], [win_lse]);
+            let head = Head {
+                q: &q,
+                scale: 1.0,
+                lse_ref: &r,
+                win_lse: &w,
+                bounds: &bounds,
+                keys: &keys,
+                block: bt,
+                sinks: 0,
+                exact: None,
+            };
+            let (mut s, mut idx) = (Scratch::default(), Vec::new());
+            let target = MassTarget::new(0.9, 1.0).unwrap();
+            (0..2 * BOUNDS_IDLE as usize + 3)
+                .map(|_| {
+                    select(&CpuBackend::new(), &head, target, &mut s, &mut idx)
+                        .unwrap()
+                        .bounded_blocks
+                })
+                .collect()
+        };
+        // The window holds all but e^-60 of the mass: every block dropped,
+        // the bounds read every step.
+        assert!(run(60.0, 60.0).iter().all(|&b| b == n / bt));
+        // The CPU entries hold nine tenths of it: no block can go.
+        let cpu_lse = (0..n)
+            .map(|j| q.iter().zip(&k[j * d..]).map(|(a, b)| a * b).sum::<f32>())
+            .map(f64::from)
+            .map(f64::exp)
+            .sum::<f64>()
+            .ln() as f32;
+        let union = cpu_lse + (1.0f32 / 0.9).ln();
+        let win = union + 0.1f32.ln();
+        let every = BOUNDS_IDLE as usize + 1;
+        let read = run(union, win);
+        for (t, &b) in read.iter().enumerate() {
+            let want = if t % every == 0 { n / bt } else { 0 };
+            assert_eq!(b, want, "step {t}: {read:?}");
         }
     }
 }

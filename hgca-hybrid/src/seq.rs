@@ -252,7 +252,7 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
         }
         // The mass selector's low-bit copy (empty under the other rules).
         for (g, keys) in self.codes.iter_mut().enumerate() {
-            keys.push(&self.evict_k[g * n * d..(g + 1) * n * d], l.cfg.sinks);
+            keys.sync(&self.store, g, l.cfg.sinks);
         }
         self.win_head = (self.win_head + n) % cap;
         Ok(())
@@ -469,6 +469,7 @@ impl<D: DenseAttention, T: KvElem, C: CpuStore<T>> Seq<D, T, C> {
             }),
             dense_heads: self.heads.iter().filter(|h| h.report.dense).count(),
             estimated_entries: self.heads.iter().map(|h| h.report.estimated_entries).sum(),
+            bounded_blocks: self.heads.iter().map(|h| h.report.bounded_blocks).sum(),
         };
         Ok(())
     }

@@ -32,9 +32,13 @@ pub struct StepStats {
     /// [`Recovery::Mass`](crate::Recovery::Mass): KV heads that took every CPU entry this step
     /// because the target needed more than the max share.
     pub dense_heads: usize,
-    /// [`Recovery::Mass`](crate::Recovery::Mass): CPU entries whose int8 estimate was read,
+    /// [`Recovery::Mass`](crate::Recovery::Mass): CPU entries whose low-bit estimate was read,
     /// summed over KV heads (the others were dropped by block bounds).
     pub estimated_entries: usize,
+    /// [`Recovery::Mass`](crate::Recovery::Mass): store blocks whose key bounds were read,
+    /// summed over KV heads (a head skips them for a while after they
+    /// dropped nothing).
+    pub bounded_blocks: usize,
     /// Wall time of the whole step.
     pub total: Duration,
 }

@@ -88,8 +88,8 @@ impl<T: KvElem> SequenceAttention for Counted<HybridAttention<CpuBackend, CpuBac
             let blocks = (st.cpu_tokens.div_ceil(cfg.block) * kvh) as u64;
             let oracle = self.inner.oracle_scores();
             let bounds = match cfg.recovery {
-                Recovery::Mass(_) if oracle => 0,
-                Recovery::BlockBounds { .. } | Recovery::Mass(_) => blocks * row,
+                Recovery::Mass(_) => st.bounded_blocks as u64 * row,
+                Recovery::BlockBounds { .. } => blocks * row,
                 _ => 0,
             };
             // What the estimate read per entry: its low-bit row (codes and
