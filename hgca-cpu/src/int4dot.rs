@@ -84,6 +84,7 @@ pub(crate) fn scores(
             groups: q.groups,
         };
         let first = h0 == 0;
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_macros))]
         macro_rules! heads {
             ($f:ident $(, $unsafe:tt)?) => {
                 match op.len() {

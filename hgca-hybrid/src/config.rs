@@ -28,8 +28,9 @@ pub enum Recovery {
     /// `1 - target`; a head that would need more than `max_share` of the
     /// CPU entries takes all of them that step (counted in
     /// [`StepStats::dense_heads`](crate::StepStats::dense_heads)). The estimate: block key bounds drop
-    /// blocks that cannot matter, an int8 copy of the keys scores the rest
-    /// (its memory: one byte per key element). The MAW rule is not used;
+    /// blocks that cannot matter, a low-bit copy of the keys
+    /// ([`HybridConfig::key_codes`]: int4 by default, half a byte per key
+    /// element) scores the rest. The MAW rule is not used;
     /// the sinks are always attended.
     Mass(MassTarget),
 }

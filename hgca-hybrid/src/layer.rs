@@ -243,7 +243,7 @@ impl<D: DenseAttention, S: SparseAttention, T: KvElem, C: CpuStore<T>> HybridAtt
     /// The oracle of the mass rule, for evaluations: under
     /// [`Recovery::Mass`](crate::Recovery::Mass), each decode step scores
     /// every CPU entry exactly from its key (reading all of them) instead
-    /// of estimating (block bounds, the int8 copy), then admits entries by
+    /// of estimating (block bounds, the low-bit copy), then admits entries by
     /// weight to the same target in the same way. It bounds what a better
     /// estimate could buy; it saves no reads. No effect under the other rules.
     #[must_use]

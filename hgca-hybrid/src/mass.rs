@@ -536,7 +536,7 @@ fn admit<T: KvElem>(
     let mut cpu_mass = 0.0f64;
     // The weights in one vectorised pass (a scalar exp per entry was most
     // of the selection's time); an estimate that is not finite weighs 0
-    // here (+inf, a key the int8 copy cannot hold, passes any threshold
+    // here (+inf, a key the low-bit copy cannot hold, passes any threshold
     // below).
     s.w.clear();
     s.w.extend(

@@ -52,7 +52,7 @@ pub(crate) enum Cmd {
         #[arg(long, default_value_t = 0.25)]
         window_ratio: f64,
         /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
-        /// mass8:/mass4: for the int8 or int4 key copy, or oracle:P[:S]:
+        /// mass8:/mass4: for the int8 or int4 (default) key copy, or oracle:P[:S]:
         /// the mass rule on exact scores).
         #[arg(long, default_value = "mass:0.9")]
         recovery: String,
@@ -123,7 +123,7 @@ pub(crate) struct PplArgs {
     /// re-scoring every N steps), bounds:N (Quest-style top N blocks),
     /// mass:P[:S] (the default: per head, CPU entries until an estimated
     /// share P of the attention mass, at most a share S of them, 0.5 by
-    /// default, else all; mass8:/mass4: name its int8 (default) or int4
+    /// default, else all; mass8:/mass4: name its int8 or int4 (default)
     /// key copy), oracle:P[:S] (the mass rule on exact scores: its bound,
     /// reading every key).
     #[arg(long, default_value = "mass:0.9")]

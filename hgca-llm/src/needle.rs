@@ -38,7 +38,7 @@ pub(crate) struct NeedleArgs {
     #[arg(long, default_value_t = 0.25)]
     window_ratio: f64,
     /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
-    /// mass8:/mass4: for the int8 or int4 key copy, or oracle:P[:S]: the
+    /// mass8:/mass4: for the int8 or int4 (default) key copy, or oracle:P[:S]: the
     /// mass rule on exact scores, for evaluations).
     #[arg(long, default_value = "mass:0.9")]
     recovery: String,

@@ -602,7 +602,7 @@ fn decode_all(llm: &mut Llama, ids: &[u32]) -> Vec<f32> {
 
 /// A fork is a snapshot: it continues bit for bit as the original would,
 /// and what the original does afterwards does not reach it (full attention
-/// and the hybrid layer under the mass rule, whose int8 keys, bounds and
+/// and the hybrid layer under the mass rule, whose low-bit keys, bounds and
 /// MAW are copied too).
 #[test]
 fn fork_continues_bit_for_bit_and_alone() {

@@ -53,7 +53,7 @@ pub(crate) struct RulerArgs {
     docs: usize,
     /// Attention variants, comma separated: `full`, or `RULE@RATIO` for the
     /// hybrid layer with recovery RULE (frozen, rescore:N, bounds:N,
-    /// mass:P[:S], mass8:/mass4: for its int8 (default) or int4 key copy,
+    /// mass:P[:S], mass8:/mass4: for its int8 or int4 (default) key copy,
     /// or oracle:P[:S], the mass rule with exact scores: the bound of its
     /// estimate) and a window of RATIO of the context. The first leads
     /// the prefill; `full` must be one of them (the yardstick). The default:
