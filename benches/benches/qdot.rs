@@ -2,7 +2,8 @@
 //! times Q8_0 activations, `CpuBackend::qmatvec`) on Qwen2.5-0.5B's
 //! shapes: its stacked FFN gate and up projections (9728 x 896), eight
 //! layers' weights taken in turn so they come from DRAM as in a model,
-//! in Q8_0, Q5_0, Q4_1 and Q4_0; and its LM head (151,936 x 896, Q8_0, as
+//! in Q8_0, Q5_0, Q4_1 and Q4_0; its down projection (896 x 4864) in Q4_K,
+//! Q6_K (the K formats its GGUF stores it in) and Q5_0; and its LM head (151,936 x 896, Q8_0, as
 //! the GGUF stores it). One token; 1 and 2 threads; each kernel path the
 //! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
@@ -13,17 +14,25 @@
 use criterion::Criterion;
 use hgca_benches::{Probe, Report, criterion, fill, par};
 use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, Q8Acts, QDotPath};
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
+use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
+/// Qwen2.5-0.5B's model width (the inner dimension of gate/up and the head).
 const K: usize = 896;
+/// Its FFN width (the inner dimension of down: 19 K-format blocks).
+const FF: usize = 4864;
 
-/// `mats` matrices of `rows` rows in format `B`.
-fn mats<B: DotBlock>(mats: usize, rows: usize, quantize: fn(&[f32; 32]) -> B) -> Vec<Vec<B>> {
+/// `mats` matrices of `rows` rows of `k` values in format `B` (blocks of `N`).
+fn mats<B: DotBlock, const N: usize>(
+    mats: usize,
+    rows: usize,
+    k: usize,
+    quantize: fn(&[f32; N]) -> B,
+) -> Vec<Vec<B>> {
     (0..mats)
         .map(|m| {
-            fill(rows * K, m as u64)
-                .chunks_exact(32)
-                .map(|c| quantize(c.try_into().expect("32 values")))
+            fill(rows * k, m as u64)
+                .chunks_exact(N)
+                .map(|c| quantize(c.try_into().expect("a whole block")))
                 .collect()
         })
         .collect()
@@ -46,7 +55,8 @@ fn paths() -> Vec<(IsaKind, QDotPath)> {
 }
 
 fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B>], rows: usize) {
-    let acts = Q8Acts::quantize(&fill(K, 42), 1, K).expect("a whole block");
+    let k = ws[0].len() / rows * B::VALUES;
+    let acts = Q8Acts::quantize(&fill(k, 42), 1, k).expect("a whole block");
     let mut y = vec![0.0f32; rows];
     for (isa, path) in paths() {
         for threads in [1usize, 2] {
@@ -76,36 +86,59 @@ fn main() {
         &mut crit,
         &rep,
         "ffn",
-        &mats(8, ff, BlockQ8_0::quantize),
+        &mats(8, ff, K, BlockQ8_0::quantize),
         ff,
     );
     run(
         &mut crit,
         &rep,
         "ffn",
-        &mats(8, ff, BlockQ5_0::quantize),
+        &mats(8, ff, K, BlockQ5_0::quantize),
         ff,
     );
     run(
         &mut crit,
         &rep,
         "ffn",
-        &mats(8, ff, BlockQ4_1::quantize),
+        &mats(8, ff, K, BlockQ4_1::quantize),
         ff,
     );
     run(
         &mut crit,
         &rep,
         "ffn",
-        &mats(8, ff, BlockQ4_0::quantize),
+        &mats(8, ff, K, BlockQ4_0::quantize),
         ff,
+    );
+    // Qwen2's down projection (896 x 4864) in the K formats its GGUF uses
+    // for it, and in Q5_0 for comparison.
+    run(
+        &mut crit,
+        &rep,
+        "down",
+        &mats(8, K, FF, BlockQ4K::quantize),
+        K,
+    );
+    run(
+        &mut crit,
+        &rep,
+        "down",
+        &mats(8, K, FF, BlockQ6K::quantize),
+        K,
+    );
+    run(
+        &mut crit,
+        &rep,
+        "down",
+        &mats(8, K, FF, BlockQ5_0::quantize),
+        K,
     );
     let vocab = 151_936;
     run(
         &mut crit,
         &rep,
         "head",
-        &mats(1, vocab, BlockQ8_0::quantize),
+        &mats(1, vocab, K, BlockQ8_0::quantize),
         vocab,
     );
     rep.print(&probe, |_| None);

@@ -19,6 +19,7 @@ mod batch;
 mod ffn;
 mod int4dot;
 pub mod isa;
+mod kdot;
 mod kernel;
 mod plan;
 mod prefill;

@@ -1,5 +1,6 @@
-//! Matrix-vector products over GGUF's 32-value weight blocks (Q4_0, Q4_1,
-//! Q5_0, Q8_0) with the activations quantised to Q8_0 blocks: the decode
+//! Matrix-vector products over GGUF's weight blocks (the 32-value Q4_0,
+//! Q4_1, Q5_0, Q8_0 here; the 256-value K formats Q4_K and Q6_K in
+//! `kdot`) with the activations quantised to Q8_0 blocks: the decode
 //! path of a quantised model as llama.cpp computes it. Per block, the
 //! weight codes and the activation codes meet in an integer dot product,
 //! scaled by both blocks' scales (Q4_1 adds its minimum times the
@@ -12,7 +13,8 @@
 //! arithmetic in portable code ([`QDotPath`]).
 
 use hgca_kernels::{
-    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, Result, WeightElem, check_len_of,
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, Result, WeightElem,
+    check_len_of,
 };
 
 use crate::CpuBackend;
@@ -29,6 +31,10 @@ pub enum DotKind {
     Q5_0,
     /// [`BlockQ8_0`]: `d q`, 8-bit codes.
     Q8_0,
+    /// [`BlockQ4K`]: 256 values, `d sc_j q - dmin m_j` per sub-block of 32.
+    Q4K,
+    /// [`BlockQ6K`]: 256 values, `d sc_m (q - 32)` per sub-block of 16.
+    Q6K,
 }
 
 mod sealed {
@@ -37,10 +43,12 @@ mod sealed {
     impl Sealed for hgca_kernels::BlockQ4_1 {}
     impl Sealed for hgca_kernels::BlockQ5_0 {}
     impl Sealed for hgca_kernels::BlockQ8_0 {}
+    impl Sealed for hgca_kernels::BlockQ4K {}
+    impl Sealed for hgca_kernels::BlockQ6K {}
 }
 
-/// A 32-value GGUF weight block that [`CpuBackend::qmatvec`] multiplies
-/// with Q8_0 activations.
+/// A GGUF weight block (32 values, or 256 for the K formats) that
+/// [`CpuBackend::qmatvec`] multiplies with Q8_0 activations.
 pub trait DotBlock: WeightElem + bytemuck::Pod + Sync + sealed::Sealed {
     /// The format.
     const KIND: DotKind;
@@ -57,6 +65,12 @@ impl DotBlock for BlockQ5_0 {
 }
 impl DotBlock for BlockQ8_0 {
     const KIND: DotKind = DotKind::Q8_0;
+}
+impl DotBlock for BlockQ4K {
+    const KIND: DotKind = DotKind::Q4K;
+}
+impl DotBlock for BlockQ6K {
+    const KIND: DotKind = DotKind::Q6K;
 }
 
 /// A block's signed codes, scale and minimum (0 but for Q4_1): its values
@@ -94,6 +108,7 @@ fn parts<B: DotBlock>(b: &B) -> ([i8; 32], f32, f32) {
             let b: &BlockQ8_0 = bytemuck::cast_ref(b);
             (b.qs, b.d.to_f32(), 0.0)
         }
+        DotKind::Q4K | DotKind::Q6K => unreachable!("K formats take kdot's paths"),
     }
 }
 
@@ -110,6 +125,8 @@ pub struct Q8Acts {
     scales: Vec<f32>,
     /// Per block, `d Σ q` (what Q4_1's minimum multiplies).
     sums: Vec<f32>,
+    /// Per half block (16 values), `d Σ q` (what Q6_K's offset multiplies).
+    sums16: Vec<f32>,
 }
 
 impl Q8Acts {
@@ -138,10 +155,16 @@ impl Q8Acts {
             .map(|c| BlockQ8_0::quantize(c.try_into().expect("32 values")))
             .collect();
         let scales: Vec<f32> = blocks.iter().map(|b| b.d.to_f32()).collect();
+        let sum = |q: &[i8]| q.iter().map(|&q| i32::from(q)).sum::<i32>();
         let sums = blocks
             .iter()
             .zip(&scales)
-            .map(|(b, d)| d * b.qs.iter().map(|&q| i32::from(q)).sum::<i32>() as f32)
+            .map(|(b, d)| d * sum(&b.qs) as f32)
+            .collect();
+        let sums16 = blocks
+            .iter()
+            .zip(&scales)
+            .flat_map(|(b, d)| [d * sum(&b.qs[..16]) as f32, d * sum(&b.qs[16..]) as f32])
             .collect();
         Ok(Self {
             n,
@@ -149,6 +172,7 @@ impl Q8Acts {
             blocks,
             scales,
             sums,
+            sums16,
         })
     }
 
@@ -174,6 +198,7 @@ impl Q8Acts {
         Token {
             blocks: &self.blocks[r.clone()],
             scales: &self.scales[r.clone()],
+            sums16: &self.sums16[2 * r.start..2 * r.end],
             sums: &self.sums[r],
         }
     }
@@ -181,15 +206,19 @@ impl Q8Acts {
 
 /// One token of [`Q8Acts`].
 #[derive(Clone, Copy)]
-struct Token<'a> {
-    blocks: &'a [BlockQ8_0],
-    scales: &'a [f32],
-    sums: &'a [f32],
+pub(crate) struct Token<'a> {
+    pub(crate) blocks: &'a [BlockQ8_0],
+    pub(crate) scales: &'a [f32],
+    pub(crate) sums: &'a [f32],
+    pub(crate) sums16: &'a [f32],
 }
 
 /// One row's dot product with one token's activations, portable code.
 #[inline(always)]
 fn row_dot_scalar<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+    if B::VALUES != 32 {
+        return crate::kdot::row_dot_scalar(row, x);
+    }
     let mut acc = 0.0f32;
     for (i, b) in row.iter().enumerate() {
         let (q, d, m) = parts(b);
@@ -207,7 +236,7 @@ fn row_dot_scalar<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use super::{DotBlock, DotKind, Token};
     use core::arch::x86_64::*;
     use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
@@ -216,7 +245,7 @@ mod x86 {
     /// for F16C at run time on every block).
     #[target_feature(enable = "f16c")]
     #[inline]
-    fn h2f(h: hgca_kernels::f16) -> f32 {
+    pub(crate) fn h2f(h: hgca_kernels::f16) -> f32 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
     }
 
@@ -272,6 +301,7 @@ mod x86 {
                 let q = unsafe { _mm256_loadu_si256(b.qs.as_ptr().cast()) };
                 (q, h2f(b.d), 0.0)
             }
+            DotKind::Q4K | DotKind::Q6K => unreachable!("K formats take kdot's paths"),
         }
     }
 
@@ -287,7 +317,7 @@ mod x86 {
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn hsum(v: __m256) -> f32 {
+    pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -353,7 +383,15 @@ mod x86 {
         let n = acts.tokens();
         for (row, o) in w.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
             for (t, y) in o.iter_mut().enumerate() {
-                *y = if vnni {
+                *y = if B::VALUES != 32 {
+                    if vnni {
+                        // SAFETY: the caller's promise.
+                        unsafe { crate::kdot::x86::vnni::row_dot(row, acts.token(t)) }
+                    } else {
+                        // SAFETY: this function's features.
+                        unsafe { crate::kdot::x86::row_dot(row, acts.token(t)) }
+                    }
+                } else if vnni {
                     // SAFETY: the caller's promise.
                     unsafe { vnni::row_dot(row, acts.token(t)) }
                 } else {
@@ -431,6 +469,7 @@ mod x86 {
                         (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
                     (codes64(&b0.qs, &b1.qs), h2f2(b0.d, b1.d), _mm_setzero_ps())
                 }
+                DotKind::Q4K | DotKind::Q6K => unreachable!("K formats take kdot's paths"),
             }
         }
 
@@ -592,8 +631,9 @@ impl CpuBackend {
     }
 
     /// `y = x W^T` for quantised activations `acts` (`n` tokens of `k`
-    /// values) and weight rows `w` (`rows` rows of `k / 32` blocks each, the
-    /// GGUF layout of a `[rows, k]` matrix): `y` is `[n, rows]` row-major.
+    /// values) and weight rows `w` (`rows` rows of `k / B::VALUES` blocks
+    /// each, the GGUF layout of a `[rows, k]` matrix): `y` is `[n, rows]`
+    /// row-major.
     /// Rows are shared out over the backend's threads; each token's result
     /// is the same whatever the threading.
     ///
@@ -605,8 +645,9 @@ impl CpuBackend {
     /// below about 8e-3).
     ///
     /// # Errors
-    /// [`Error::Length`] when `w` does not hold `rows * k / 32` blocks or
-    /// `y` does not hold `n * rows` values.
+    /// [`Error::Length`] when `w` does not hold `rows * k / B::VALUES`
+    /// blocks or `y` does not hold `n * rows` values, [`Error::Param`] when
+    /// `k` is not a multiple of `B::VALUES` (256 for the K formats).
     ///
     /// ```
     /// use hgca_cpu::{CpuBackend, Q8Acts};
@@ -627,7 +668,14 @@ impl CpuBackend {
         acts: &Q8Acts,
         y: &mut [f32],
     ) -> Result<()> {
-        let (n, nb) = (acts.tokens(), acts.width() / 32);
+        let (n, nb) = (acts.tokens(), acts.width() / B::VALUES);
+        if !acts.width().is_multiple_of(B::VALUES) {
+            return Err(Error::Param {
+                what: "activation width",
+                value: acts.width() as f64,
+                expected: "a multiple of the weight format's block (256 for the K formats)",
+            });
+        }
         check_len_of("weight blocks", &[rows, nb], w.len())?;
         check_len_of("output", &[n, rows], y.len())?;
         if n == 0 || rows == 0 {

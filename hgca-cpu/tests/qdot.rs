@@ -5,7 +5,9 @@
 //! errors for bad input.
 
 use hgca_cpu::{CpuBackend, DotBlock, DotKind, Par, Q8Acts};
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, WeightElem};
+use hgca_kernels::{
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, WeightElem, f16,
+};
 use hgca_testkit::Rng;
 use hgca_testkit::ffn::TestWeight;
 use proptest::prelude::*;
@@ -34,22 +36,54 @@ fn reference<B: WeightElem>(w: &[B], rows: usize, acts: &Q8Acts) -> (Vec<f64>, V
     (y, mag)
 }
 
-/// `Σ_k |m_b x[t, k]|` over Q4_1's block minimums `m_b` (0 for the
-/// other formats), laid out like [`reference`]'s outputs.
+/// `Σ_k |o_k x[t, k]|` over the offset `o_k` the kernel subtracts apart
+/// from the codes' products: Q4_1's block minimums, Q4_K's sub-block
+/// minimums `dmin m_j`, Q6_K's `32 d sc_m` (0 for the other formats), laid
+/// out like [`reference`]'s outputs.
 fn min_magnitudes<B: DotBlock>(w: &[B], rows: usize, acts: &Q8Acts) -> Vec<f64> {
-    let (n, nb) = (acts.tokens(), acts.width() / 32);
+    let (n, k) = (acts.tokens(), acts.width());
+    let nb = k / B::VALUES;
     let mut out = vec![0.0; n * rows];
-    if B::KIND != DotKind::Q4_1 {
-        return out;
-    }
-    for t in 0..n {
-        for r in 0..rows {
-            for j in 0..nb {
-                let b: &BlockQ4_1 = bytemuck::cast_ref(&w[r * nb + j]);
-                let x = &acts.blocks()[t * nb + j];
-                let xs: f64 = x.qs.iter().map(|&q| f64::from(q).abs()).sum();
-                out[t * rows + r] += f64::from(b.m.to_f32()).abs() * f64::from(x.d.to_f32()) * xs;
+    // Per value of a row: the offset's magnitude.
+    let offsets = |row: &[B]| -> Vec<f64> {
+        let mut o = vec![0.0; k];
+        for (j, blk) in row.iter().enumerate() {
+            let o = &mut o[j * B::VALUES..(j + 1) * B::VALUES];
+            match B::KIND {
+                DotKind::Q4_1 => {
+                    let b: &BlockQ4_1 = bytemuck::cast_ref(blk);
+                    o.fill(f64::from(b.m.to_f32()).abs());
+                }
+                DotKind::Q4K => {
+                    let b: &BlockQ4K = bytemuck::cast_ref(blk);
+                    let (_, mn) = b.scales_mins();
+                    for (i, v) in o.iter_mut().enumerate() {
+                        *v = f64::from(b.dmin.to_f32()) * f64::from(mn[i / 32]);
+                    }
+                }
+                DotKind::Q6K => {
+                    let b: &BlockQ6K = bytemuck::cast_ref(blk);
+                    for (i, v) in o.iter_mut().enumerate() {
+                        *v = 32.0
+                            * f64::from(b.d.to_f32()).abs()
+                            * f64::from(b.scales[i / 16]).abs();
+                    }
+                }
+                _ => {}
             }
+        }
+        o
+    };
+    let mut xf = vec![0.0f32; n * k];
+    BlockQ8_0::dequant_slice(acts.blocks(), &mut xf);
+    for r in 0..rows {
+        let o = offsets(&w[r * nb..(r + 1) * nb]);
+        for t in 0..n {
+            out[t * rows + r] = o
+                .iter()
+                .zip(&xf[t * k..(t + 1) * k])
+                .map(|(&o, &x)| o * f64::from(x).abs())
+                .sum();
         }
     }
     out
@@ -65,7 +99,7 @@ fn case<B: DotBlock + TestWeight>(
     seed: u64,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let mut w = Vec::with_capacity(rows * k / 32);
+    let mut w = Vec::with_capacity(rows * k / B::VALUES);
     for r in 0..rows {
         let scale = if r % 5 == 3 { 1e-3 } else { 1.0 + r as f32 };
         let row: Vec<f32> = (0..k).map(|_| rng.sym() * scale).collect();
@@ -119,11 +153,17 @@ fn check<B: DotBlock>(
     Ok(())
 }
 
+/// Every format whose block divides `k`.
 fn all_formats(cpu: &CpuBackend, rows: usize, k: usize, n: usize, seed: u64) -> Result<(), String> {
     case::<BlockQ4_0>(cpu, rows, k, n, seed)?;
     case::<BlockQ4_1>(cpu, rows, k, n, seed)?;
     case::<BlockQ5_0>(cpu, rows, k, n, seed)?;
-    case::<BlockQ8_0>(cpu, rows, k, n, seed)
+    case::<BlockQ8_0>(cpu, rows, k, n, seed)?;
+    if k.is_multiple_of(256) {
+        case::<BlockQ4K>(cpu, rows, k, n, seed)?;
+        case::<BlockQ6K>(cpu, rows, k, n, seed)?;
+    }
+    Ok(())
 }
 
 /// (rows, k, tokens): one row, one block, rows around the 64-row unit of
@@ -137,6 +177,10 @@ const EDGE: &[(usize, usize, usize)] = &[
     (130, 128, 2),
     (7, 2048, 1),
     (200, 64, 5),
+    (1, 256, 1),
+    (65, 512, 2),
+    (3, 4864, 1),
+    (130, 1024, 3),
 ];
 
 /// Q8_0 weights at the ends of their code range (-128 is a valid code in a
@@ -158,6 +202,33 @@ fn extreme_codes(cpu: &CpuBackend) {
     let mut mixed = [1.0f32; 64];
     mixed.iter_mut().step_by(2).for_each(|v| *v = -1.0);
     check(cpu, &w, 2, &mixed, 1, 64).unwrap();
+
+    // The K formats' largest codes (Q4_K 15 with 6-bit scale and min 63;
+    // Q6_K 63 with sub-block scales -128 and 127) against activations of
+    // either sign at the top of their range: products of the unsigned
+    // codes with activation codes must neither saturate nor overflow.
+    let q4k = BlockQ4K {
+        d: f16::from_f32(0.5),
+        dmin: f16::from_f32(0.25),
+        scales: [0xFF; 12],
+        qs: [0xFF; 128],
+    };
+    let q6k = BlockQ6K {
+        ql: [0xFF; 128],
+        qh: [0xFF; 64],
+        scales: core::array::from_fn(|i| if i % 3 == 0 { -128 } else { 127 }),
+        d: f16::from_f32(0.125),
+    };
+    let mut signs = [1.0f32; 512];
+    signs
+        .iter_mut()
+        .skip(16)
+        .step_by(32)
+        .for_each(|v| *v = -1.0);
+    for x in [[1.0f32; 512], [-1.0; 512], signs] {
+        check(cpu, &[q4k; 4], 2, &x, 1, 512).unwrap();
+        check(cpu, &[q6k; 4], 2, &x, 1, 512).unwrap();
+    }
 }
 
 macro_rules! isa_suite {
@@ -167,6 +238,23 @@ macro_rules! isa_suite {
 
             proptest! {
                 #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+                #[test]
+                fn qmatvec_k_formats_match_the_reference(
+                    rows in 1usize..150,
+                    blocks in 1usize..5,
+                    n in 1usize..4,
+                    seed in any::<u64>(),
+                ) {
+                    for par in [Par::Seq, Par::Rayon(3)] {
+                        if let Some(b) = backend($kind, par) {
+                            let (k, mut r) = (256 * blocks, Ok(()));
+                            r = r.and_then(|()| case::<BlockQ4K>(&b, rows, k, n, seed));
+                            r = r.and_then(|()| case::<BlockQ6K>(&b, rows, k, n, seed));
+                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                        }
+                    }
+                }
 
                 #[test]
                 fn qmatvec_matches_the_reference(
@@ -222,6 +310,11 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     }
     let r = cpu.qmatvec(&w, 3, &acts, &mut y[..2]);
     assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    assert!(y.iter().all(|v| v.is_nan()));
+    // A K format needs whole 256-value blocks along the row.
+    let k = vec![BlockQ4K::quantize(&[1.0; 256]); 1];
+    let r = cpu.qmatvec(&k, 1, &acts, &mut y[..1]);
+    assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
     assert!(y.iter().all(|v| v.is_nan()));
     // Nothing to do is not an error; an empty inner dimension gives zeros.
     let none = Q8Acts::quantize(&[], 0, 64).unwrap();

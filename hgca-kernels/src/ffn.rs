@@ -343,16 +343,36 @@ pub struct BlockQ6K {
     pub d: f16,
 }
 
-/// The scale and min of sub-block `j` of a [`BlockQ4K`].
-#[inline(always)]
-fn q4k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        (
-            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
+impl BlockQ4K {
+    /// The eight 6-bit sub-block scales and the eight 6-bit mins, unpacked
+    /// from `scales` (whole 32-bit words at a time: sub-blocks 0..4 are the
+    /// low 6 bits of words 0 and 1, sub-blocks 4..8 a nibble of word 2 with
+    /// the top 2 bits of words 0 and 1 above it).
+    ///
+    /// ```
+    /// use hgca_kernels::{BlockQ4K, WeightElem};
+    /// let x: [f32; 256] = core::array::from_fn(|i| (i % 32) as f32 * (1.0 + (i / 32) as f32));
+    /// let b = BlockQ4K::quantize(&x);
+    /// let (sc, _mins) = b.scales_mins();
+    /// // The sub-block of the largest range takes the largest scale code.
+    /// assert_eq!(sc[7], 63);
+    /// ```
+    #[inline(always)]
+    pub fn scales_mins(&self) -> ([u8; 8], [u8; 8]) {
+        let w = |i: usize| u32::from_le_bytes(self.scales[4 * i..4 * i + 4].try_into().expect("4"));
+        let (w0, w1, w2) = (w(0), w(1), w(2));
+        const LOW6: u32 = 0x3f3f_3f3f;
+        const NIB: u32 = 0x0f0f_0f0f;
+        const TOP2: u32 = 0x0303_0303;
+        let sc_hi = (w2 & NIB) | (((w0 >> 6) & TOP2) << 4);
+        let mn_hi = ((w2 >> 4) & NIB) | (((w1 >> 6) & TOP2) << 4);
+        let join = |a: u32, b: u32| -> [u8; 8] {
+            let mut o = [0u8; 8];
+            o[..4].copy_from_slice(&a.to_le_bytes());
+            o[4..].copy_from_slice(&b.to_le_bytes());
+            o
+        };
+        (join(w0 & LOW6, sc_hi), join(w1 & LOW6, mn_hi))
     }
 }
 
@@ -362,9 +382,10 @@ impl WeightElem for BlockQ4K {
     #[inline(always)]
     fn dequant(&self, out: &mut [f32]) {
         let (d, dmin) = (self.d.to_f32(), self.dmin.to_f32());
+        let (sc, mn) = self.scales_mins();
         for j in 0..4 {
-            let (s1, m1) = q4k_scale_min(2 * j, &self.scales);
-            let (s2, m2) = q4k_scale_min(2 * j + 1, &self.scales);
+            let (s1, m1) = (sc[2 * j], mn[2 * j]);
+            let (s2, m2) = (sc[2 * j + 1], mn[2 * j + 1]);
             let (d1, o1) = (d * f32::from(s1), dmin * f32::from(m1));
             let (d2, o2) = (d * f32::from(s2), dmin * f32::from(m2));
             for (l, &q) in self.qs[32 * j..32 * j + 32].iter().enumerate() {

@@ -163,7 +163,8 @@ pub(crate) enum Weights {
     /// Q8_0 copy for decoding, f32 copy for prefill chunks.
     Auto,
     /// The GGUF's own blocks for decoding (hgca's kernels for Q4_0, Q4_1,
-    /// Q5_0, Q8_0; candle's for the K formats), f32 copy for prefill chunks.
+    /// Q5_0, Q8_0, Q4_K, Q6_K; candle's for the other K formats), f32 copy
+    /// for prefill chunks.
     Native,
 }
 

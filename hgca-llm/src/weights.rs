@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 use hgca_cpu::Q8Acts;
-use hgca_kernels::{AttnShape, BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
+use hgca_kernels::{AttnShape, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
 #[cfg(doc)]
 use crate::Llama;
@@ -31,10 +31,10 @@ pub enum WeightFormat {
     /// ones (prefill chunks) the f32 GEMM.
     Auto,
     /// Like [`WeightFormat::Auto`], but decoding reads the GGUF's own blocks:
-    /// Q4_0, Q4_1, Q5_0 and Q8_0 through hgca's kernel
-    /// ([`hgca_cpu::CpuBackend::qmatvec`], which candle lacks for Q4_1 and
-    /// Q5_0), the K formats through candle's; other types are re-quantised
-    /// to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
+    /// Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K through hgca's kernel
+    /// ([`hgca_cpu::CpuBackend::qmatvec`]; candle lacks one for Q4_1 and
+    /// Q5_0), the other K formats through candle's; other types are
+    /// re-quantised to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
     /// weights. Where hgca's kernel has no SIMD path (it has AVX2 and
     /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
     /// with `Auto`.
@@ -69,6 +69,8 @@ enum HgcaRows {
     Q4_1(Vec<BlockQ4_1>),
     Q5_0(Vec<BlockQ5_0>),
     Q8_0(Vec<BlockQ8_0>),
+    Q4K(Vec<BlockQ4K>),
+    Q6K(Vec<BlockQ6K>),
 }
 
 /// One stacked part of a [`WeightFormat::Native`] layer (`rows` outputs).
@@ -88,6 +90,36 @@ fn dequantize_stacked(parts: &[QTensor]) -> Result<Tensor> {
     Ok(Tensor::cat(&ts, 0)?.contiguous()?)
 }
 
+/// `parts` (each `[out_i, in]`) with each run of consecutive parts of one
+/// block type joined into one tensor (rows of blocks are contiguous:
+/// stacking rows is concatenating bytes), so that a decode step runs one
+/// parallel matrix-vector product per run instead of one per part (Q, K
+/// and V, or gate and up, are usually of one type).
+fn merge_runs(parts: Vec<QTensor>) -> Result<Vec<QTensor>> {
+    let mut out: Vec<Vec<QTensor>> = Vec::new();
+    for p in parts {
+        match out.last_mut() {
+            Some(run) if run[0].dtype() == p.dtype() => run.push(p),
+            _ => out.push(vec![p]),
+        }
+    }
+    out.into_iter()
+        .map(|run| {
+            if run.len() == 1 {
+                return Ok(run.into_iter().next().expect("one part"));
+            }
+            let (dtype, k) = (run[0].dtype(), run[0].shape().dims()[1]);
+            let rows = run.iter().map(|p| p.shape().dims()[0]).sum::<usize>();
+            let mut bytes = Vec::new();
+            for p in &run {
+                bytes.extend_from_slice(&p.data()?);
+            }
+            let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
+            Ok(QTensor::new(storage, (rows, k))?)
+        })
+        .collect()
+}
+
 /// GGUF's bytes as blocks (copied: the bytes need not be aligned).
 fn pod_vec<B: bytemuck::Pod>(b: &[u8]) -> Vec<B> {
     b.chunks_exact(size_of::<B>())
@@ -103,6 +135,8 @@ impl NativePart {
                 GgmlDType::Q4_0 => HgcaRows::Q4_0(pod_vec(b)),
                 GgmlDType::Q4_1 => HgcaRows::Q4_1(pod_vec(b)),
                 GgmlDType::Q5_0 => HgcaRows::Q5_0(pod_vec(b)),
+                GgmlDType::Q4K => HgcaRows::Q4K(pod_vec(b)),
+                GgmlDType::Q6K => HgcaRows::Q6K(pod_vec(b)),
                 _ => HgcaRows::Q8_0(pod_vec(b)),
             })
         };
@@ -111,7 +145,14 @@ impl NativePart {
         let hgca = hgca_cpu::CpuBackend::qmatvec_path(native_backend().isa())
             != hgca_cpu::QDotPath::Portable;
         Ok(match p.dtype() {
-            GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q8_0 if hgca => {
+            GgmlDType::Q4_0
+            | GgmlDType::Q4_1
+            | GgmlDType::Q5_0
+            | GgmlDType::Q8_0
+            | GgmlDType::Q4K
+            | GgmlDType::Q6K
+                if hgca =>
+            {
                 NativePart::Hgca(blocks(p.dtype(), &p.data()?)?, rows)
             }
             // Formats candle has SIMD kernels for.
@@ -150,6 +191,8 @@ impl NativePart {
             NativePart::Hgca(HgcaRows::Q4_1(w), _) => cpu.qmatvec(w, rows, acts, y)?,
             NativePart::Hgca(HgcaRows::Q5_0(w), _) => cpu.qmatvec(w, rows, acts, y)?,
             NativePart::Hgca(HgcaRows::Q8_0(w), _) => cpu.qmatvec(w, rows, acts, y)?,
+            NativePart::Hgca(HgcaRows::Q4K(w), _) => cpu.qmatvec(w, rows, acts, y)?,
+            NativePart::Hgca(HgcaRows::Q6K(w), _) => cpu.qmatvec(w, rows, acts, y)?,
             NativePart::Candle(q, _) => {
                 let t = Tensor::from_slice(x, (n, acts.width()), &Device::Cpu)?;
                 let out = q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?;
@@ -179,7 +222,7 @@ impl Linear {
             // Activations are quantised in blocks of 32 along `in`.
             WeightFormat::Native if in_dim.is_multiple_of(32) => {
                 let dense = dequantize_stacked(&parts)?;
-                let native = parts
+                let native = merge_runs(parts)?
                     .into_iter()
                     .map(NativePart::new)
                     .collect::<Result<Vec<_>>>()?;
@@ -449,7 +492,8 @@ mod tests {
     }
 
     /// A layer stacked from parts in every kind of handling (hgca's kernel
-    /// for Q5_0, Q4_1 and Q8_0, candle's for Q4_K, re-quantised for F16)
+    /// for Q5_0, Q4_1, Q8_0, Q4_K and Q6_K, candle's for Q5_K, re-quantised
+    /// for F16)
     /// gives each part's outputs in its own columns, for one token and
     /// several (below the prefill switch): checked against the f32 copy,
     /// within what 8-bit activations cost.
@@ -460,8 +504,11 @@ mod tests {
             GgmlDType::Q5_0,
             GgmlDType::Q4K,
             GgmlDType::Q8_0,
+            GgmlDType::Q8_0,
             GgmlDType::F16,
             GgmlDType::Q4_1,
+            GgmlDType::Q6K,
+            GgmlDType::Q5K,
         ];
         let parts: Vec<QTensor> = kinds
             .iter()
@@ -469,7 +516,8 @@ mod tests {
             .map(|(i, &t)| matrix(3 + 5 * i, k, t, i as u64))
             .collect();
         let lin = Linear::stacked(parts, WeightFormat::Native).expect("a layer");
-        assert!(matches!(lin.w, LinearW::Native(ref p, _) if p.len() == kinds.len()));
+        // The two Q8_0 parts in a row are joined into one.
+        assert!(matches!(lin.w, LinearW::Native(ref p, _) if p.len() == kinds.len() - 1));
         let dense = lin.dense_f32().expect("f32 copy");
         for n in [1, 3, AUTO_DENSE_ROWS - 1] {
             let x: Vec<f32> = (0..n * k)
