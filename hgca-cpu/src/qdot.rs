@@ -10,7 +10,11 @@
 //! AVX2 path unpacks a block's codes into one 256-bit register and
 //! multiplies them with `vpmaddubsw`; the AVX-512 VNNI path takes two
 //! blocks per 512-bit register and `vpdpbusd`; other machines run the same
-//! arithmetic in portable code ([`QDotPath`]).
+//! arithmetic in portable code ([`QDotPath`]). Both SIMD paths keep the 4-
+//! and 5-bit codes unsigned, as stored, and take Q4_0's and Q5_0's offset
+//! (`-8 d`, `-16 d`) like Q4_1's minimum, from the activation block's sum:
+//! the unsigned-times-signed byte products need no sign moved (the form
+//! the K formats take too), fewer instructions per block.
 
 use hgca_kernels::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, Result, WeightElem,
@@ -71,6 +75,16 @@ impl DotBlock for BlockQ4K {
 }
 impl DotBlock for BlockQ6K {
     const KIND: DotKind = DotKind::Q6K;
+}
+
+impl DotKind {
+    /// Whether the SIMD paths multiply this format's codes unsigned (Q4_0,
+    /// Q4_1, Q5_0: the nibbles, and the fifth bit, as stored), with the
+    /// offset (`-8 d`, `m`, `-16 d`) taken as a minimum times the
+    /// activation block's sum; Q8_0's codes are signed.
+    const fn unsigned(self) -> bool {
+        matches!(self, DotKind::Q4_0 | DotKind::Q4_1 | DotKind::Q5_0)
+    }
 }
 
 /// A block's signed codes, scale and minimum (0 but for Q4_1): its values
@@ -249,8 +263,9 @@ pub(crate) mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
     }
 
-    /// The 32 codes of a block as signed bytes in one register, its scale
-    /// and its minimum.
+    /// The 32 codes of a block in one register (unsigned for the formats
+    /// [`DotKind::unsigned`] names, signed for Q8_0), its scale and its
+    /// minimum (the value of code 0).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     fn codes<B: DotBlock>(b: &B) -> (__m256i, f32, f32) {
@@ -267,8 +282,8 @@ pub(crate) mod x86 {
         match B::KIND {
             DotKind::Q4_0 => {
                 let b: &BlockQ4_0 = bytemuck::cast_ref(b);
-                let q = _mm256_sub_epi8(nibbles(&b.qs), _mm256_set1_epi8(8));
-                (q, h2f(b.d), 0.0)
+                let d = h2f(b.d);
+                (nibbles(&b.qs), d, -8.0 * d)
             }
             DotKind::Q4_1 => {
                 let b: &BlockQ4_1 = bytemuck::cast_ref(b);
@@ -287,13 +302,13 @@ pub(crate) mod x86 {
                 let bytes = _mm256_shuffle_epi8(qh, spread);
                 let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
                 let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
-                // q - 16 is the nibble where the fifth bit is set, and the
-                // nibble with its high bits set (nibble - 16) where it is not.
+                // The code is the nibble plus 16 where the fifth bit is set.
                 let q = _mm256_or_si256(
                     nibbles(&b.qs),
-                    _mm256_andnot_si256(set, _mm256_set1_epi8(0xF0u8 as i8)),
+                    _mm256_and_si256(set, _mm256_set1_epi8(0x10)),
                 );
-                (q, h2f(b.d), 0.0)
+                let d = h2f(b.d);
+                (q, d, -16.0 * d)
             }
             DotKind::Q8_0 => {
                 let b: &BlockQ8_0 = bytemuck::cast_ref(b);
@@ -338,10 +353,14 @@ pub(crate) mod x86 {
         let (q, d, m) = codes(b);
         // SAFETY: 32 readable bytes.
         let p = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-        let v = _mm256_cvtepi32_ps(dot_i8(q, p));
-        if B::KIND == DotKind::Q4_1 {
+        let v = if B::KIND.unsigned() {
+            // Codes below 32: no pair of products can saturate.
             *min = m.mul_add(sum, *min);
-        }
+            _mm256_madd_epi16(_mm256_maddubs_epi16(q, p), _mm256_set1_epi16(1))
+        } else {
+            dot_i8(q, p)
+        };
+        let v = _mm256_cvtepi32_ps(v);
         _mm256_fmadd_ps(_mm256_set1_ps(d * scale), v, acc)
     }
 
@@ -436,8 +455,8 @@ pub(crate) mod x86 {
             _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
         }
 
-        /// Two blocks' 64 codes (unsigned for Q4_1, signed for the others),
-        /// their two scales and their two minimums (Q4_1; zero otherwise).
+        /// Two blocks' 64 codes (unsigned but for Q8_0), their two scales
+        /// and their two minimums (the values of code 0; zero for Q8_0).
         #[target_feature(enable = "avx512f,avx512bw,avx2,f16c")]
         #[inline]
         fn codes2<B: DotBlock>(b0: &B, b1: &B) -> (__m512i, __m128, __m128) {
@@ -445,8 +464,12 @@ pub(crate) mod x86 {
                 DotKind::Q4_0 => {
                     let (b0, b1): (&BlockQ4_0, &BlockQ4_0) =
                         (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
-                    let q = _mm512_sub_epi8(nibbles2(&b0.qs, &b1.qs), _mm512_set1_epi8(8));
-                    (q, h2f2(b0.d, b1.d), _mm_setzero_ps())
+                    let d = h2f2(b0.d, b1.d);
+                    (
+                        nibbles2(&b0.qs, &b1.qs),
+                        d,
+                        _mm_mul_ps(d, _mm_set1_ps(-8.0)),
+                    )
                 }
                 DotKind::Q4_1 => {
                     let (b0, b1): (&BlockQ4_1, &BlockQ4_1) =
@@ -456,13 +479,13 @@ pub(crate) mod x86 {
                 DotKind::Q5_0 => {
                     let (b0, b1): (&BlockQ5_0, &BlockQ5_0) =
                         (bytemuck::cast_ref(b0), bytemuck::cast_ref(b1));
-                    // Bit j of the mask is the fifth bit of byte j's value;
-                    // where it is clear the value is the nibble minus 16.
+                    // Bit j of the mask is the fifth bit of byte j's code.
                     let high = u64::from(u32::from_le_bytes(b0.qh))
                         | (u64::from(u32::from_le_bytes(b1.qh)) << 32);
                     let nib = nibbles2(&b0.qs, &b1.qs);
-                    let q = _mm512_mask_sub_epi8(nib, !high, nib, _mm512_set1_epi8(16));
-                    (q, h2f2(b0.d, b1.d), _mm_setzero_ps())
+                    let q = _mm512_mask_add_epi8(nib, high, nib, _mm512_set1_epi8(16));
+                    let d = h2f2(b0.d, b1.d);
+                    (q, d, _mm_mul_ps(d, _mm_set1_ps(-16.0)))
                 }
                 DotKind::Q8_0 => {
                     let (b0, b1): (&BlockQ8_0, &BlockQ8_0) =
@@ -492,8 +515,7 @@ pub(crate) mod x86 {
         #[inline]
         fn dot2<B: DotBlock>(q: __m512i, x: __m512i) -> __m512i {
             let zero = _mm512_setzero_si512();
-            if B::KIND == DotKind::Q4_1 {
-                // Codes 0..16: already unsigned.
+            if B::KIND.unsigned() {
                 return _mm512_dpbusd_epi32(zero, q, x);
             }
             // |q| (128 for -128, as an unsigned byte), and x negated where
@@ -518,7 +540,7 @@ pub(crate) mod x86 {
         ) -> __m512 {
             let (q, d, m) = codes2(w[0], w[1]);
             let v = _mm512_cvtepi32_ps(dot2::<B>(q, codes64(&x[0].qs, &x[1].qs)));
-            if B::KIND == DotKind::Q4_1 {
+            if B::KIND.unsigned() {
                 *min = _mm_fmadd_ps(m, _mm_setr_ps(u[0], u[1], 0.0, 0.0), *min);
             }
             // Lanes 0..8 take the first block's scale product, 8..16 the second's.

@@ -37,8 +37,9 @@ fn reference<B: WeightElem>(w: &[B], rows: usize, acts: &Q8Acts) -> (Vec<f64>, V
 }
 
 /// `Σ_k |o_k x[t, k]|` over the offset `o_k` the kernel subtracts apart
-/// from the codes' products: Q4_1's block minimums, Q4_K's sub-block
-/// minimums `dmin m_j`, Q6_K's `32 d sc_m` (0 for the other formats), laid
+/// from the codes' products: Q4_1's block minimums, Q4_0's `8 d`, Q5_0's
+/// `16 d`, Q4_K's sub-block minimums `dmin m_j`, Q6_K's `32 d sc_m` (0 for
+/// Q8_0), laid
 /// out like [`reference`]'s outputs.
 fn min_magnitudes<B: DotBlock>(w: &[B], rows: usize, acts: &Q8Acts) -> Vec<f64> {
     let (n, k) = (acts.tokens(), acts.width());
@@ -53,6 +54,16 @@ fn min_magnitudes<B: DotBlock>(w: &[B], rows: usize, acts: &Q8Acts) -> Vec<f64> 
                 DotKind::Q4_1 => {
                     let b: &BlockQ4_1 = bytemuck::cast_ref(blk);
                     o.fill(f64::from(b.m.to_f32()).abs());
+                }
+                // The SIMD paths take Q4_0's and Q5_0's codes unsigned,
+                // with the offset `-8 d` or `-16 d` as a minimum.
+                DotKind::Q4_0 => {
+                    let b: &BlockQ4_0 = bytemuck::cast_ref(blk);
+                    o.fill(8.0 * f64::from(b.d.to_f32()).abs());
+                }
+                DotKind::Q5_0 => {
+                    let b: &BlockQ5_0 = bytemuck::cast_ref(blk);
+                    o.fill(16.0 * f64::from(b.d.to_f32()).abs());
                 }
                 DotKind::Q4K => {
                     let b: &BlockQ4K = bytemuck::cast_ref(blk);
