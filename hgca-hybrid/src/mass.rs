@@ -527,31 +527,59 @@ fn admit<T: KvElem>(
     // The normaliser (relative to the reference): the window's share plus
     // the estimated CPU mass; the sinks are admitted whatever they weigh.
     let sinks = h.sinks.min(n);
-    let top = s.est[sinks..]
-        .iter()
-        .copied()
-        .filter(|x| x.is_finite())
-        .fold(f32::NEG_INFINITY, f32::max);
     let mut hist = [0.0f64; BUCKETS];
     let mut cpu_mass = 0.0f64;
     // The weights in one vectorised pass (a scalar exp per entry was most
     // of the selection's time); an estimate that is not finite weighs 0
     // here (+inf, a key the low-bit copy cannot hold, passes any threshold
-    // below).
+    // below). The largest finite estimate in the same pass, eight lanes
+    // at a time (a scalar filter-and-max was 40% of the admission's own
+    // time in a profile of Qwen2.5-0.5B at 8k).
     s.w.clear();
-    s.w.extend(
-        s.est[sinks..]
-            .iter()
-            .map(|&x| if x.is_finite() { x } else { f32::NEG_INFINITY }),
-    );
+    s.w.resize(n - sinks, 0.0);
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    {
+        let (e8, e_tail) = s.est[sinks..].as_chunks::<8>();
+        let (w8, w_tail) = s.w.as_chunks_mut::<8>();
+        let finite = |x: f32| if x.is_finite() { x } else { f32::NEG_INFINITY };
+        for (e, w) in e8.iter().zip(w8) {
+            for l in 0..8 {
+                w[l] = finite(e[l]);
+                lanes[l] = if w[l] > lanes[l] { w[l] } else { lanes[l] };
+            }
+        }
+        for (&e, w) in e_tail.iter().zip(w_tail) {
+            *w = finite(e);
+            lanes[0] = lanes[0].max(*w);
+        }
+    }
+    let top = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
     if top.is_finite() {
         cpu.exp_shifted(&mut s.w, top);
     }
-    for (&x, &w) in s.est[sinks..].iter().zip(&s.w) {
-        if x.is_finite() {
-            let k = (((top - x) * BUCKETS_PER_NAT) as usize).min(BUCKETS - 1);
-            hist[k] += f64::from(w);
-            cpu_mass += f64::from(w);
+    if top.is_finite() {
+        // Branch-free: the weight of an estimate that is not finite is 0
+        // (`exp_shifted` of -inf), whatever bucket the saturating
+        // conversion gives it. Four histograms taken in turn, so that runs
+        // of entries in one bucket do not wait on each other's stores.
+        // The float's `min` first (NaN gives the last bucket), then a
+        // 32-bit conversion (negatives give 0): no 64-bit saturation.
+        let bucket =
+            |x: f32| ((top - x) * BUCKETS_PER_NAT).min((BUCKETS - 1) as f32) as u32 as usize;
+        let mut part = [[0.0f64; BUCKETS]; 4];
+        let (e4, e_tail) = s.est[sinks..].as_chunks::<4>();
+        let (w4, w_tail) = s.w.as_chunks::<4>();
+        for (x, w) in e4.iter().zip(w4) {
+            for l in 0..4 {
+                part[l][bucket(x[l])] += f64::from(w[l]);
+            }
+        }
+        for (&x, &w) in e_tail.iter().zip(w_tail) {
+            part[0][bucket(x)] += f64::from(w);
+        }
+        for (k, h) in hist.iter_mut().enumerate() {
+            *h = (part[0][k] + part[1][k]) + (part[2][k] + part[3][k]);
+            cpu_mass += *h;
         }
     }
     let sink_mass: f64 = s.est[..sinks]
