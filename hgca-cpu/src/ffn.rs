@@ -9,8 +9,8 @@
 //! a fixed order, so a call's result does not depend on scheduling.
 
 use hgca_kernels::{
-    BlockQ8_0, DenseFfnBackend, Error, FfnAct, FfnOwned, FfnWeights, Neurons, Result, WeightElem,
-    bf16, check_len_of, check_neurons, f16,
+    BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, DenseFfnBackend, Error, FfnAct, FfnOwned,
+    FfnWeights, Neurons, Result, WeightElem, bf16, check_len_of, check_neurons, f16,
 };
 
 use crate::CpuBackend;
@@ -229,9 +229,139 @@ fn axpy_q8<S: Kern>(s: S, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
     }
 }
 
+/// Whether `W` is one of GGUF's 4- and 5-bit 32-value formats (Q4_0,
+/// Q4_1, Q5_0), whose codes are unpacked to bytes and widened in
+/// registers like Q8_0's.
+#[inline(always)]
+fn is_small<W: WeightElem>() -> bool {
+    use core::any::TypeId;
+    let t = TypeId::of::<W>();
+    t == TypeId::of::<BlockQ4_0>()
+        || t == TypeId::of::<BlockQ4_1>()
+        || t == TypeId::of::<BlockQ5_0>()
+}
+
+/// A block of one of [`is_small`]'s formats: its codes as signed bytes,
+/// its scale and its minimum (values `scale * code + min`).
+#[inline(always)]
+fn small_codes<W: WeightElem>(e: &W) -> ([i8; 32], f32, f32) {
+    use core::any::TypeId;
+    let t = TypeId::of::<W>();
+    if t == TypeId::of::<BlockQ4_0>() {
+        crate::qdot::parts::<BlockQ4_0>(bytemuck::cast_ref(e))
+    } else if t == TypeId::of::<BlockQ4_1>() {
+        crate::qdot::parts::<BlockQ4_1>(bytemuck::cast_ref(e))
+    } else {
+        crate::qdot::parts::<BlockQ5_0>(bytemuck::cast_ref(e))
+    }
+}
+
+/// `Σ_k row[k] x[k]` over Q4_0, Q4_1 or Q5_0 blocks: per block
+/// `d Σ q_k x_k + m Σ x_k`, the codes unpacked to bytes and widened in
+/// registers (not dequantised through a buffer).
+#[inline(always)]
+fn dot_small<S: Kern, W: WeightElem>(s: S, row: &[W], x: &[f32]) -> f32 {
+    let lanes = S::F32_LANES;
+    let min = core::any::TypeId::of::<W>() == core::any::TypeId::of::<BlockQ4_1>();
+    let mut acc = s.splat_f32s(0.0);
+    for (b, xs) in row.iter().zip(x.chunks_exact(32)) {
+        let (q, d, m) = small_codes(b);
+        let (mut blk, mut sum) = (s.splat_f32s(0.0), s.splat_f32s(0.0));
+        for k in (0..32).step_by(lanes) {
+            let xv = load(s, &xs[k..k + lanes]);
+            blk = s.mul_add_f32s(s.widen_i8(&q[k..k + lanes]), xv, blk);
+            if min {
+                sum = s.add_f32s(sum, xv);
+            }
+        }
+        acc = s.mul_add_f32s(blk, s.splat_f32s(d), acc);
+        if min {
+            acc = s.mul_add_f32s(sum, s.splat_f32s(m), acc);
+        }
+    }
+    s.reduce_sum_f32s(acc)
+}
+
+/// `y += a * row` over Q4_0, Q4_1 or Q5_0 blocks, the codes widened in
+/// registers.
+#[inline(always)]
+fn axpy_small<S: Kern, W: WeightElem>(s: S, row: &[W], a: f32, y: &mut [f32]) {
+    let lanes = S::F32_LANES;
+    for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
+        let (q, d, m) = small_codes(b);
+        let (c, cm) = (s.splat_f32s(a * d), s.splat_f32s(a * m));
+        for k in (0..32).step_by(lanes) {
+            let r = s.mul_add_f32s(s.widen_i8(&q[k..k + lanes]), c, load(s, &ys[k..k + lanes]));
+            store(s, &mut ys[k..k + lanes], s.add_f32s(r, cm));
+        }
+    }
+}
+
+/// How one path reads a row of `W`: its dot product with a token and its
+/// scaled add into an output. Methods, not closures: a closure's body was
+/// compiled outside the ISA's target features, its SIMD intrinsics called
+/// out of line (the sparse FFN ran 5-10x slower that way); these inline
+/// into the kernel's ISA context like the functions they call.
+trait RowOps<W> {
+    fn dot(&self, row: &[W], x: &[f32]) -> f32;
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]);
+}
+
+/// Q8_0 rows, codes widened in registers.
+struct Q8Rows<S>(S);
+impl<S: Kern, W: WeightElem> RowOps<W> for Q8Rows<S> {
+    #[inline(always)]
+    fn dot(&self, row: &[W], x: &[f32]) -> f32 {
+        dot_q8(self.0, q8(row), x)
+    }
+    #[inline(always)]
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
+        axpy_q8(self.0, q8(row), a, y)
+    }
+}
+
+/// Q4_0, Q4_1, Q5_0 rows, codes unpacked and widened in registers.
+struct SmallRows<S>(S);
+impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<S> {
+    #[inline(always)]
+    fn dot(&self, row: &[W], x: &[f32]) -> f32 {
+        dot_small(self.0, row, x)
+    }
+    #[inline(always)]
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
+        axpy_small(self.0, row, a, y)
+    }
+}
+
+/// Other block formats, dequantised a block at a time.
+struct BlockRows;
+impl<W: WeightElem> RowOps<W> for BlockRows {
+    #[inline(always)]
+    fn dot(&self, row: &[W], x: &[f32]) -> f32 {
+        dot_blocks(row, x)
+    }
+    #[inline(always)]
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
+        axpy_blocks(row, a, y)
+    }
+}
+
+/// Float rows straight from memory.
+struct FloatRows<S: Kern>(S, S::Extra);
+impl<S: Kern, W: WeightElem> RowOps<W> for FloatRows<S> {
+    #[inline(always)]
+    fn dot(&self, row: &[W], x: &[f32]) -> f32 {
+        dot_row(self.0, self.1, row, x)
+    }
+    #[inline(always)]
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
+        axpy_row(self.0, self.1, row, a, y)
+    }
+}
+
 /// One neuron for one token (`x`, `y`: `d` values): its gate row's dot
 /// product decides (with a threshold), then its up row's, then its down
-/// row is added into `y`; `dot` and `axpy` read a row in its format.
+/// row is added into `y`, each row read by `ops`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn neuron<W: WeightElem>(
@@ -241,15 +371,14 @@ fn neuron<W: WeightElem>(
     [gate, up, down]: [&[W]; 3],
     x: &[f32],
     y: &mut [f32],
-    dot: impl Fn(&[W], &[f32]) -> f32,
-    axpy: impl Fn(&[W], f32, &mut [f32]),
+    ops: &impl RowOps<W>,
 ) {
-    let v = act.apply(dot(gate, x));
+    let v = act.apply(ops.dot(gate, x));
     st.rows += 1;
     if threshold.is_some_and(|th| v.abs() <= th) {
         return;
     }
-    axpy(down, v * dot(up, x), y);
+    ops.axpy(down, v * ops.dot(up, x), y);
     st.rows += 2;
     st.active += 1;
 }
@@ -305,16 +434,12 @@ fn ffn_part<S: Kern, W: WeightElem>(
         let rows = rows_of(i);
         if n == 1 && is_q8::<W>() {
             // One token over Q8_0 rows: codes widened in registers.
-            neuron(
-                &mut st,
-                act,
-                threshold,
-                rows,
-                x,
-                y,
-                |m, x| dot_q8(s, q8(m), x),
-                |m, c, y| axpy_q8(s, q8(m), c, y),
-            );
+            neuron(&mut st, act, threshold, rows, x, y, &Q8Rows(s));
+            continue;
+        }
+        if n == 1 && is_small::<W>() {
+            // One token over 4- and 5-bit rows: codes widened in registers.
+            neuron(&mut st, act, threshold, rows, x, y, &SmallRows(s));
             continue;
         }
         if blocks {
@@ -327,24 +452,14 @@ fn ffn_part<S: Kern, W: WeightElem>(
                     rows,
                     &x[t * d..(t + 1) * d],
                     &mut y[t * d..(t + 1) * d],
-                    dot_blocks,
-                    axpy_blocks,
+                    &BlockRows,
                 );
             }
             continue;
         }
         if n == 1 && is_float::<W>() {
             // One float token (a decode step): rows straight from memory.
-            neuron(
-                &mut st,
-                act,
-                threshold,
-                rows,
-                x,
-                y,
-                |m, x| dot_row(s, extra, m, x),
-                |m, c, y| axpy_row(s, extra, m, c, y),
-            );
+            neuron(&mut st, act, threshold, rows, x, y, &FloatRows(s, extra));
             continue;
         }
         // Floats, a chunk of tokens: each row widened once into a buffer

@@ -90,7 +90,7 @@ impl DotKind {
 /// A block's signed codes, scale and minimum (0 but for Q4_1): its values
 /// are `scale * code + min`.
 #[inline(always)]
-fn parts<B: DotBlock>(b: &B) -> ([i8; 32], f32, f32) {
+pub(crate) fn parts<B: DotBlock>(b: &B) -> ([i8; 32], f32, f32) {
     let mut q = [0i8; 32];
     let nibbles = |qs: &[u8; 16], q: &mut [i8; 32], off: i8| {
         for (i, &v) in qs.iter().enumerate() {
