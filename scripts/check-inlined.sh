@@ -5,7 +5,9 @@
 # that way (see `dispatch!` in hgca-cpu/src/isa.rs), and no test fails.
 #
 #   scripts/check-inlined.sh            the test build's binaries of the CPU
-#                                       kernels and the hybrid layer (run
+#                                       kernels (attention, the sparse FFN,
+#                                       the quantised matvec) and the
+#                                       hybrid layer (run
 #                                       after scripts/test.sh's `cargo
 #                                       test`; nothing to rebuild)
 #   scripts/check-inlined.sh --release  builds hgca-cpu's examples in release
@@ -35,10 +37,10 @@ import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     t = m.get("target", {})
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in ("conformance", "hgca_cpu", "hybrid", "batch"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and t.get("name") in ("conformance", "hgca_cpu", "hybrid", "batch", "ffn", "qdot"):
         print(m["executable"])
 ')
-  [ ${#bins[@]} -ge 4 ] || { echo "check-inlined: expected 4 test binaries of hgca-cpu and hgca-hybrid, found ${#bins[@]}"; exit 1; }
+  [ ${#bins[@]} -ge 6 ] || { echo "check-inlined: expected 6 test binaries of hgca-cpu and hgca-hybrid, found ${#bins[@]}"; exit 1; }
   where='FnOnce::call_once|\{\{closure\}\}'
 fi
 
