@@ -242,14 +242,7 @@ pub(crate) mod x86 {
         #[target_feature(enable = "avx512f,avx2")]
         #[inline]
         fn acts2(x: &Token<'_>, i: usize, j: usize) -> __m512i {
-            let (a, b) = (&x.blocks[i].qs, &x.blocks[j].qs);
-            // SAFETY: 32 readable bytes each.
-            unsafe {
-                _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(a.as_ptr().cast())),
-                    _mm256_loadu_si256(b.as_ptr().cast()),
-                )
-            }
+            crate::qdot::x86::vnni::codes64(&x.blocks[i].qs, &x.blocks[j].qs)
         }
 
         #[target_feature(enable = "avx512f")]

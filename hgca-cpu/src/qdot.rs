@@ -424,7 +424,7 @@ pub(crate) mod x86 {
     /// bytes times signed bytes, four products summed into each i32 lane):
     /// the signed formats give it their codes' magnitudes and move their
     /// signs onto the activations, as the AVX2 path does for `vpmaddubsw`.
-    mod vnni {
+    pub(crate) mod vnni {
         use super::*;
 
         /// Two blocks' nibbles: 128-bit lanes 0 and 1 hold the first
@@ -499,7 +499,7 @@ pub(crate) mod x86 {
         /// Two 32-byte code arrays in one register.
         #[target_feature(enable = "avx512f,avx2")]
         #[inline]
-        fn codes64(a: &[i8; 32], b: &[i8; 32]) -> __m512i {
+        pub(crate) fn codes64(a: &[i8; 32], b: &[i8; 32]) -> __m512i {
             // SAFETY: 32 readable bytes each.
             unsafe {
                 _mm512_inserti64x4::<1>(

@@ -229,20 +229,11 @@ impl Linear {
                 LinearW::Native(native, dense)
             }
             WeightFormat::Quantized if same => {
-                let qt = if parts.len() == 1 {
-                    parts
-                        .into_iter()
-                        .next()
-                        .ok_or_else(|| Error::invalid("linear", "no parts"))?
-                } else {
-                    // Rows of blocks are contiguous: stacking rows is concatenating bytes.
-                    let mut bytes = Vec::new();
-                    for p in &parts {
-                        bytes.extend_from_slice(&p.data()?);
-                    }
-                    let storage = QStorage::from_data(Cow::Owned(bytes), &Device::Cpu, dtype)?;
-                    QTensor::new(storage, (out_dim, in_dim))?
-                };
+                // One block type: the parts join into one tensor.
+                let qt = merge_runs(parts)?
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| Error::invalid("linear", "no parts"))?;
                 LinearW::Quant(QMatMul::from_qtensor(qt)?)
             }
             _ => {
