@@ -13,8 +13,9 @@ use hgca_kernels::{
     FfnWeights, Neurons, Result, WeightElem, bf16, check_len_of, check_neurons, f16,
 };
 
-use crate::CpuBackend;
 use crate::isa::{Kern, dispatch, load, store};
+use crate::qdot::{RowDot, row_dot_of};
+use crate::{CpuBackend, DotBlock, Q8Acts};
 
 /// What a [`CpuBackend::sparse_ffn`] call computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -94,9 +95,9 @@ fn axpy_blocks<W: WeightElem>(row: &[W], a: f32, y: &mut [f32]) {
     }
 }
 
-/// Dequantises one row of floats into `out` (`d` values) inside the ISA:
+/// Dequantises one row into `out` (`d` values) inside the ISA:
 /// half floats widen a vector at a time with the ISA's conversion (F16C,
-/// AVX-512, NEON's FCVTL). The block formats take [`dot_blocks`] instead.
+/// AVX-512, NEON's FCVTL); block formats a block at a time (`dequant_slice`).
 #[inline(always)]
 fn dequant_row<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], out: &mut [f32]) {
     let lanes = S::F32_LANES;
@@ -199,28 +200,40 @@ fn q8<W: WeightElem>(m: &[W]) -> &[BlockQ8_0] {
 }
 
 /// `Σ_k row[k] x[k]` over Q8_0 blocks: per block `d Σ q_k x_k`, the codes
-/// widened in registers.
+/// widened in registers, the blocks' sums into two accumulators taken in
+/// turn (one would chain a multiply-add's latency through every block;
+/// written out, not indexed: an indexed pair lived on the stack).
 #[inline(always)]
-fn dot_q8<S: Kern>(s: S, row: &[BlockQ8_0], x: &[f32]) -> f32 {
-    let lanes = S::F32_LANES;
-    let mut acc = s.splat_f32s(0.0);
-    for (b, xs) in row.iter().zip(x.chunks_exact(32)) {
-        let mut blk = s.splat_f32s(0.0);
-        for k in (0..32).step_by(lanes) {
-            let q = s.widen_i8(&b.qs[k..k + lanes]);
-            blk = s.mul_add_f32s(q, load(s, &xs[k..k + lanes]), blk);
-        }
-        acc = s.mul_add_f32s(blk, s.splat_f32s(b.d.to_f32()), acc);
+fn dot_q8<S: Kern>(s: S, extra: S::Extra, row: &[BlockQ8_0], x: &[f32]) -> f32 {
+    let (mut a0, mut a1) = (s.splat_f32s(0.0), s.splat_f32s(0.0));
+    let mut it = row.iter().zip(x.chunks_exact(32));
+    while let Some((b, xs)) = it.next() {
+        a0 = q8_block(s, extra, b, xs, a0);
+        let Some((b, xs)) = it.next() else { break };
+        a1 = q8_block(s, extra, b, xs, a1);
     }
-    s.reduce_sum_f32s(acc)
+    s.reduce_sum_f32s(s.add_f32s(a0, a1))
+}
+
+/// `acc + d Σ q_k x_k` for one Q8_0 block. (A function, not a closure:
+/// see [`RowOps`].)
+#[inline(always)]
+fn q8_block<S: Kern>(s: S, extra: S::Extra, b: &BlockQ8_0, xs: &[f32], acc: S::f32s) -> S::f32s {
+    let lanes = S::F32_LANES;
+    let mut blk = s.splat_f32s(0.0);
+    for k in (0..32).step_by(lanes) {
+        let q = s.widen_i8(&b.qs[k..k + lanes]);
+        blk = s.mul_add_f32s(q, load(s, &xs[k..k + lanes]), blk);
+    }
+    s.mul_add_f32s(blk, s.splat_f32s(s.scale_f16(extra, b.d)), acc)
 }
 
 /// `y += a * row` over Q8_0 blocks, the codes widened in registers.
 #[inline(always)]
-fn axpy_q8<S: Kern>(s: S, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
+fn axpy_q8<S: Kern>(s: S, extra: S::Extra, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
     let lanes = S::F32_LANES;
     for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
-        let c = s.splat_f32s(a * b.d.to_f32());
+        let c = s.splat_f32s(a * s.scale_f16(extra, b.d));
         for k in (0..32).step_by(lanes) {
             let q = s.widen_i8(&b.qs[k..k + lanes]);
             let r = s.mul_add_f32s(q, c, load(s, &ys[k..k + lanes]));
@@ -241,58 +254,93 @@ fn is_small<W: WeightElem>() -> bool {
         || t == TypeId::of::<BlockQ5_0>()
 }
 
-/// A block of one of [`is_small`]'s formats: its codes as signed bytes,
-/// its scale and its minimum (values `scale * code + min`).
+/// A block of one of [`is_small`]'s formats: its codes, unsigned, a byte
+/// each ([`Kern::nibbles`]), its scale and its minimum (the value of code
+/// 0: values are `scale * code + min`).
 #[inline(always)]
-fn small_codes<W: WeightElem>(e: &W) -> ([i8; 32], f32, f32) {
+fn small_block<S: Kern, W: WeightElem>(s: S, extra: S::Extra, e: &W) -> ([u8; 32], f32, f32) {
     use core::any::TypeId;
     let t = TypeId::of::<W>();
     if t == TypeId::of::<BlockQ4_0>() {
-        crate::qdot::parts::<BlockQ4_0>(bytemuck::cast_ref(e))
+        let b: &BlockQ4_0 = bytemuck::cast_ref(e);
+        let d = s.scale_f16(extra, b.d);
+        (s.nibbles(&b.qs, None), d, -8.0 * d)
     } else if t == TypeId::of::<BlockQ4_1>() {
-        crate::qdot::parts::<BlockQ4_1>(bytemuck::cast_ref(e))
+        let b: &BlockQ4_1 = bytemuck::cast_ref(e);
+        let (d, m) = (s.scale_f16(extra, b.d), s.scale_f16(extra, b.m));
+        (s.nibbles(&b.qs, None), d, m)
     } else {
-        crate::qdot::parts::<BlockQ5_0>(bytemuck::cast_ref(e))
+        let b: &BlockQ5_0 = bytemuck::cast_ref(e);
+        let d = s.scale_f16(extra, b.d);
+        (s.nibbles(&b.qs, Some(b.qh)), d, -16.0 * d)
     }
+}
+
+/// The sums of a token's values over each 32-value block: the minimums'
+/// share of a row's dot product is `Σ_b min_b xsum_b`.
+fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(32).map(|c| c.iter().sum()).collect()
 }
 
 /// `Σ_k row[k] x[k]` over Q4_0, Q4_1 or Q5_0 blocks: per block
-/// `d Σ q_k x_k + m Σ x_k`, the codes unpacked to bytes and widened in
-/// registers (not dequantised through a buffer).
+/// `d Σ q_k x_k + min xsum` (`xsum`: [`block_sums`] of `x`), the codes
+/// unpacked and widened in registers (not dequantised through a buffer),
+/// two accumulators taken in turn as in [`dot_q8`].
 #[inline(always)]
-fn dot_small<S: Kern, W: WeightElem>(s: S, row: &[W], x: &[f32]) -> f32 {
-    let lanes = S::F32_LANES;
-    let min = core::any::TypeId::of::<W>() == core::any::TypeId::of::<BlockQ4_1>();
-    let mut acc = s.splat_f32s(0.0);
-    for (b, xs) in row.iter().zip(x.chunks_exact(32)) {
-        let (q, d, m) = small_codes(b);
-        let (mut blk, mut sum) = (s.splat_f32s(0.0), s.splat_f32s(0.0));
-        for k in (0..32).step_by(lanes) {
-            let xv = load(s, &xs[k..k + lanes]);
-            blk = s.mul_add_f32s(s.widen_i8(&q[k..k + lanes]), xv, blk);
-            if min {
-                sum = s.add_f32s(sum, xv);
-            }
-        }
-        acc = s.mul_add_f32s(blk, s.splat_f32s(d), acc);
-        if min {
-            acc = s.mul_add_f32s(sum, s.splat_f32s(m), acc);
-        }
+fn dot_small<S: Kern, W: WeightElem>(
+    s: S,
+    extra: S::Extra,
+    row: &[W],
+    x: &[f32],
+    xsum: &[f32],
+) -> f32 {
+    let (mut a0, mut a1) = ((s.splat_f32s(0.0), 0.0), (s.splat_f32s(0.0), 0.0));
+    let mut it = row.iter().zip(x.chunks_exact(32)).zip(xsum);
+    while let Some(((b, xs), &sx)) = it.next() {
+        a0 = small_block_dot(s, extra, b, xs, sx, a0);
+        let Some(((b, xs), &sx)) = it.next() else {
+            break;
+        };
+        a1 = small_block_dot(s, extra, b, xs, sx, a1);
     }
-    s.reduce_sum_f32s(acc)
+    s.reduce_sum_f32s(s.add_f32s(a0.0, a1.0)) + (a0.1 + a1.1)
 }
 
-/// `y += a * row` over Q4_0, Q4_1 or Q5_0 blocks, the codes widened in
-/// registers.
+/// One block of [`dot_small`]: `acc + d Σ q_k x_k` and `mins + min xsum`.
 #[inline(always)]
-fn axpy_small<S: Kern, W: WeightElem>(s: S, row: &[W], a: f32, y: &mut [f32]) {
+fn small_block_dot<S: Kern, W: WeightElem>(
+    s: S,
+    extra: S::Extra,
+    b: &W,
+    xs: &[f32],
+    sx: f32,
+    (acc, mins): (S::f32s, f32),
+) -> (S::f32s, f32) {
+    let lanes = S::F32_LANES;
+    let (q, d, m) = small_block(s, extra, b);
+    let mut blk = s.splat_f32s(0.0);
+    for k in (0..32).step_by(lanes) {
+        let c = s.widen_u8(&q[k..k + lanes]);
+        blk = s.mul_add_f32s(c, load(s, &xs[k..k + lanes]), blk);
+    }
+    (
+        s.mul_add_f32s(blk, s.splat_f32s(d), acc),
+        m.mul_add(sx, mins),
+    )
+}
+
+/// `y += a * row` over Q4_0, Q4_1 or Q5_0 blocks, the codes unpacked and
+/// widened in registers.
+#[inline(always)]
+fn axpy_small<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], a: f32, y: &mut [f32]) {
     let lanes = S::F32_LANES;
     for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
-        let (q, d, m) = small_codes(b);
+        let (q, d, m) = small_block(s, extra, b);
         let (c, cm) = (s.splat_f32s(a * d), s.splat_f32s(a * m));
         for k in (0..32).step_by(lanes) {
-            let r = s.mul_add_f32s(s.widen_i8(&q[k..k + lanes]), c, load(s, &ys[k..k + lanes]));
-            store(s, &mut ys[k..k + lanes], s.add_f32s(r, cm));
+            let yv = s.add_f32s(load(s, &ys[k..k + lanes]), cm);
+            let r = s.mul_add_f32s(s.widen_u8(&q[k..k + lanes]), c, yv);
+            store(s, &mut ys[k..k + lanes], r);
         }
     }
 }
@@ -305,31 +353,105 @@ fn axpy_small<S: Kern, W: WeightElem>(s: S, row: &[W], a: f32, y: &mut [f32]) {
 trait RowOps<W> {
     fn dot(&self, row: &[W], x: &[f32]) -> f32;
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]);
+    /// `y += Σ_j a[j] rows[j]`, the rows in order; the fast paths make one
+    /// pass over `y` for the four (a quarter of the loads and stores of
+    /// `y`; each row's product is added in turn as `axpy` would).
+    #[inline(always)]
+    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
+        for (row, a) in rows.into_iter().zip(a) {
+            self.axpy(row, a, y);
+        }
+    }
 }
 
 /// Q8_0 rows, codes widened in registers.
-struct Q8Rows<S>(S);
+struct Q8Rows<S: Kern>(S, S::Extra);
 impl<S: Kern, W: WeightElem> RowOps<W> for Q8Rows<S> {
     #[inline(always)]
     fn dot(&self, row: &[W], x: &[f32]) -> f32 {
-        dot_q8(self.0, q8(row), x)
+        dot_q8(self.0, self.1, q8(row), x)
     }
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
-        axpy_q8(self.0, q8(row), a, y)
+        axpy_q8(self.0, self.1, q8(row), a, y)
+    }
+    #[inline(always)]
+    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
+        let (s, rows) = (self.0, [q8(rows[0]), q8(rows[1]), q8(rows[2]), q8(rows[3])]);
+        let lanes = S::F32_LANES;
+        for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
+            let mut c = [s.splat_f32s(0.0); 4];
+            for j in 0..4 {
+                c[j] = s.splat_f32s(a[j] * s.scale_f16(self.1, rows[j][bi].d));
+            }
+            for k in (0..32).step_by(lanes) {
+                let mut v = load(s, &ys[k..k + lanes]);
+                for j in 0..4 {
+                    let q = s.widen_i8(&rows[j][bi].qs[k..k + lanes]);
+                    v = s.mul_add_f32s(q, c[j], v);
+                }
+                store(s, &mut ys[k..k + lanes], v);
+            }
+        }
     }
 }
 
-/// Q4_0, Q4_1, Q5_0 rows, codes unpacked and widened in registers.
-struct SmallRows<S>(S);
-impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<S> {
+/// Q4_0, Q4_1, Q5_0 rows of one token, codes unpacked and widened in
+/// registers, with the token's [`block_sums`].
+struct SmallRows<'a, S: Kern>(S, S::Extra, &'a [f32]);
+impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<'_, S> {
     #[inline(always)]
     fn dot(&self, row: &[W], x: &[f32]) -> f32 {
-        dot_small(self.0, row, x)
+        dot_small(self.0, self.1, row, x, self.2)
     }
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
-        axpy_small(self.0, row, a, y)
+        axpy_small(self.0, self.1, row, a, y)
+    }
+    #[inline(always)]
+    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
+        let (s, lanes) = (self.0, S::F32_LANES);
+        for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
+            let mut q = [[0u8; 32]; 4];
+            let mut c = [s.splat_f32s(0.0); 4];
+            let mut min = 0.0f32;
+            for j in 0..4 {
+                let (codes, d, m) = small_block(s, self.1, &rows[j][bi]);
+                q[j] = codes;
+                c[j] = s.splat_f32s(a[j] * d);
+                min = a[j].mul_add(m, min);
+            }
+            let min = s.splat_f32s(min);
+            for k in (0..32).step_by(lanes) {
+                let mut v = s.add_f32s(load(s, &ys[k..k + lanes]), min);
+                for j in 0..4 {
+                    v = s.mul_add_f32s(s.widen_u8(&q[j][k..k + lanes]), c[j], v);
+                }
+                store(s, &mut ys[k..k + lanes], v);
+            }
+        }
+    }
+}
+
+/// Gate and up rows against a token quantised to Q8_0 ([`RowDot`]: the
+/// quantised matvec's integer dot products); down rows by `axpy`'s ops.
+struct IntRows<'a, W, R> {
+    dot: RowDot<W>,
+    acts: &'a Q8Acts,
+    axpy: &'a R,
+}
+impl<W: WeightElem, R: RowOps<W>> RowOps<W> for IntRows<'_, W, R> {
+    #[inline(always)]
+    fn dot(&self, row: &[W], _x: &[f32]) -> f32 {
+        (self.dot)(row, self.acts)
+    }
+    #[inline(always)]
+    fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
+        self.axpy.axpy(row, a, y)
+    }
+    #[inline(always)]
+    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
+        self.axpy.axpy4(rows, a, y)
     }
 }
 
@@ -357,35 +479,182 @@ impl<S: Kern, W: WeightElem> RowOps<W> for FloatRows<S> {
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
         axpy_row(self.0, self.1, row, a, y)
     }
+    #[inline(always)]
+    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
+        let (s, lanes) = (self.0, S::F32_LANES);
+        let c = [
+            s.splat_f32s(a[0]),
+            s.splat_f32s(a[1]),
+            s.splat_f32s(a[2]),
+            s.splat_f32s(a[3]),
+        ];
+        let full = y.len() / lanes;
+        for v in 0..full {
+            let o = v * lanes;
+            let mut acc = load(s, &y[o..o + lanes]);
+            for j in 0..4 {
+                let w = load_row(s, self.1, &rows[j][o..o + lanes]);
+                acc = s.mul_add_f32s(w, c[j], acc);
+            }
+            store(s, &mut y[o..o + lanes], acc);
+        }
+        let mut one = [0.0f32; 1];
+        for (k, yv) in y.iter_mut().enumerate().skip(full * lanes) {
+            for j in 0..4 {
+                rows[j][k].dequant(&mut one);
+                *yv = one[0].mul_add(a[j], *yv);
+            }
+        }
+    }
 }
 
-/// One neuron for one token (`x`, `y`: `d` values): its gate row's dot
-/// product decides (with a threshold), then its up row's, then its down
-/// row is added into `y`, each row read by `ops`.
+/// Down rows waiting to be added into `y` four at a time
+/// ([`RowOps::axpy4`]), in the order their neurons came.
+struct Downs<'a, W> {
+    rows: [&'a [W]; 4],
+    coef: [f32; 4],
+    len: usize,
+}
+
+impl<'a, W: WeightElem> Downs<'a, W> {
+    #[inline(always)]
+    fn new() -> Self {
+        Self {
+            rows: [&[]; 4],
+            coef: [0.0; 4],
+            len: 0,
+        }
+    }
+
+    /// Queues `c * row`; the fourth queued row adds all four.
+    #[inline(always)]
+    fn push(&mut self, row: &'a [W], c: f32, y: &mut [f32], ops: &impl RowOps<W>) {
+        self.rows[self.len] = row;
+        self.coef[self.len] = c;
+        self.len += 1;
+        if self.len == 4 {
+            ops.axpy4(self.rows, self.coef, y);
+            self.len = 0;
+        }
+    }
+
+    /// Adds the rows still queued.
+    #[inline(always)]
+    fn flush(&mut self, y: &mut [f32], ops: &impl RowOps<W>) {
+        for j in 0..self.len {
+            ops.axpy(self.rows[j], self.coef[j], y);
+        }
+        self.len = 0;
+    }
+}
+
+/// Neuron `i`'s gate, up and down rows.
+#[inline(always)]
+fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
+    let r = w.row_len();
+    [
+        &w.gate[i * r..(i + 1) * r],
+        &w.up[i * r..(i + 1) * r],
+        &w.down_t[i * r..(i + 1) * r],
+    ]
+}
+
+/// Fetches the rows of neuron `next` while neuron `i` computes: an active
+/// list skips rows, which the hardware prefetchers do not foresee;
+/// consecutive neurons they do. (With a threshold the next gate row is
+/// always read; its up and down rows may not be.)
+#[inline(always)]
+fn prefetch_next<S: Kern, W: WeightElem>(
+    s: S,
+    w: &FfnWeights<'_, W>,
+    i: usize,
+    next: Option<usize>,
+    threshold: Option<f32>,
+) {
+    let Some(next) = next.filter(|&j| j != i + 1) else {
+        return;
+    };
+    let [g0, u0, d0] = rows_of(w, next);
+    let parts: &[&[W]] = if threshold.is_some() {
+        &[g0]
+    } else {
+        &[g0, u0, d0]
+    };
+    for row in parts {
+        let bytes: &[u8] = bytemuck::cast_slice(row);
+        for off in (0..bytes.len()).step_by(64) {
+            s.prefetch(bytes[off..].as_ptr());
+        }
+    }
+}
+
+/// One token's neurons (`ids`; `x`, `y`: `d` values), rows straight from
+/// memory, read by `ops`: each neuron's gate row's dot product decides
+/// (with a threshold), then its up row's, and its down row joins the
+/// [`Downs`] queue.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn neuron<W: WeightElem>(
-    st: &mut FfnStats,
+fn token_part<S: Kern, W: WeightElem>(
+    s: S,
     act: FfnAct,
-    threshold: Option<f32>,
-    [gate, up, down]: [&[W]; 3],
+    w: &FfnWeights<'_, W>,
     x: &[f32],
+    ids: &mut dyn Iterator<Item = usize>,
+    threshold: Option<f32>,
     y: &mut [f32],
     ops: &impl RowOps<W>,
-) {
-    let v = act.apply(ops.dot(gate, x));
-    st.rows += 1;
-    if threshold.is_some_and(|th| v.abs() <= th) {
-        return;
+) -> FfnStats {
+    let mut st = FfnStats::default();
+    let mut downs = Downs::new();
+    let mut ids = ids.peekable();
+    while let Some(i) = ids.next() {
+        prefetch_next(s, w, i, ids.peek().copied(), threshold);
+        let [gate, up, down] = rows_of(w, i);
+        let v = act.apply(ops.dot(gate, x));
+        st.rows += 1;
+        if threshold.is_some_and(|th| v.abs() <= th) {
+            continue;
+        }
+        downs.push(down, v * ops.dot(up, x), y, ops);
+        st.rows += 2;
+        st.active += 1;
     }
-    ops.axpy(down, v * ops.dot(up, x), y);
-    st.rows += 2;
-    st.active += 1;
+    downs.flush(y, ops);
+    st
+}
+
+/// [`token_part`] with `ops`, or with the gate and up rows' dot products
+/// from `int` (a one-token call of [`CpuBackend::sparse_ffn_q8`]).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn token_part_with<S: Kern, W: WeightElem, R: RowOps<W>>(
+    s: S,
+    act: FfnAct,
+    w: &FfnWeights<'_, W>,
+    x: &[f32],
+    ids: &mut dyn Iterator<Item = usize>,
+    threshold: Option<f32>,
+    y: &mut [f32],
+    ops: &R,
+    int: Option<(RowDot<W>, &Q8Acts)>,
+) -> FfnStats {
+    match int {
+        Some((dot, acts)) => {
+            let ops = IntRows {
+                dot,
+                acts,
+                axpy: ops,
+            };
+            token_part(s, act, w, x, ids, threshold, y, &ops)
+        }
+        None => token_part(s, act, w, x, ids, threshold, y, ops),
+    }
 }
 
 /// One part's neurons (`ids`) over the `n` tokens of `x`, added into `y`
-/// (`[n, d]`). Each neuron's rows are dequantised once into f32 (the up
-/// and down rows only when some token needs them), then serve every token.
+/// (`[n, d]`). One token takes [`token_part`]; a chunk dequantises each
+/// neuron's rows once into f32 (the up and down rows only when some token
+/// needs them), which then serve every token.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn ffn_part<S: Kern, W: WeightElem>(
@@ -397,72 +666,35 @@ fn ffn_part<S: Kern, W: WeightElem>(
     n: usize,
     ids: &mut dyn Iterator<Item = usize>,
     threshold: Option<f32>,
+    int: Option<(RowDot<W>, &Q8Acts)>,
     y: &mut [f32],
 ) -> FfnStats {
-    let (d, r) = (w.d_model, w.row_len());
+    if n == 1 {
+        return if is_q8::<W>() {
+            // Q8_0: codes widened in registers.
+            let ops = Q8Rows(s, extra);
+            token_part_with(s, act, w, x, ids, threshold, y, &ops, int)
+        } else if is_small::<W>() {
+            // 4- and 5-bit rows: codes unpacked and widened in registers.
+            let xsum = block_sums(x);
+            let ops = SmallRows(s, extra, &xsum);
+            token_part_with(s, act, w, x, ids, threshold, y, &ops, int)
+        } else if W::VALUES > 1 {
+            // Other block formats: dequantised a block at a time.
+            token_part_with(s, act, w, x, ids, threshold, y, &BlockRows, int)
+        } else {
+            token_part(s, act, w, x, ids, threshold, y, &FloatRows(s, extra))
+        };
+    }
+    let d = w.d_model;
     let mut st = FfnStats::default();
     let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
     let mut a = vec![0.0f32; n];
-    let blocks = W::VALUES > 1;
     let mut ids = ids.peekable();
-    let rows_of = |i: usize| {
-        [
-            &w.gate[i * r..(i + 1) * r],
-            &w.up[i * r..(i + 1) * r],
-            &w.down_t[i * r..(i + 1) * r],
-        ]
-    };
     while let Some(i) = ids.next() {
-        // The next neuron's rows are fetched while this one computes: an
-        // active list skips rows, which the hardware prefetchers do not
-        // foresee; consecutive neurons they do. (With a threshold the next
-        // gate row is always read; its up and down rows may not be.)
-        if let Some(&next) = ids.peek().filter(|&&j| j != i + 1) {
-            let [g0, u0, d0] = rows_of(next);
-            let parts: &[&[W]] = if threshold.is_some() {
-                &[g0]
-            } else {
-                &[g0, u0, d0]
-            };
-            for row in parts {
-                let bytes: &[u8] = bytemuck::cast_slice(row);
-                for off in (0..bytes.len()).step_by(64) {
-                    s.prefetch(bytes[off..].as_ptr());
-                }
-            }
-        }
-        let rows = rows_of(i);
-        if n == 1 && is_q8::<W>() {
-            // One token over Q8_0 rows: codes widened in registers.
-            neuron(&mut st, act, threshold, rows, x, y, &Q8Rows(s));
-            continue;
-        }
-        if n == 1 && is_small::<W>() {
-            // One token over 4- and 5-bit rows: codes widened in registers.
-            neuron(&mut st, act, threshold, rows, x, y, &SmallRows(s));
-            continue;
-        }
-        if blocks {
-            // Block formats: dequantised a block at a time inside each pass.
-            for t in 0..n {
-                neuron(
-                    &mut st,
-                    act,
-                    threshold,
-                    rows,
-                    &x[t * d..(t + 1) * d],
-                    &mut y[t * d..(t + 1) * d],
-                    &BlockRows,
-                );
-            }
-            continue;
-        }
-        if n == 1 && is_float::<W>() {
-            // One float token (a decode step): rows straight from memory.
-            neuron(&mut st, act, threshold, rows, x, y, &FloatRows(s, extra));
-            continue;
-        }
-        // Floats, a chunk of tokens: each row widened once into a buffer
+        prefetch_next(s, w, i, ids.peek().copied(), threshold);
+        let rows = rows_of(w, i);
+        // A chunk of tokens: each row dequantised once into a buffer (f32)
         // that serves every token.
         let [gate, up, down] = rows;
         dequant_row(s, extra, gate, &mut g);
@@ -531,6 +763,76 @@ impl CpuBackend {
         neurons: Neurons<'_>,
         out: &mut [f32],
     ) -> Result<FfnStats> {
+        self.ffn(act, w, x, n, neurons, out, None)
+    }
+
+    /// [`Self::sparse_ffn`] over GGUF block weights with the tokens
+    /// quantised to Q8_0 for the gate and up rows, as llama.cpp (and
+    /// [`Self::qmatvec`]) multiply quantised weights: a decode step's gate
+    /// and up rows take the quantised matvec's integer dot products (AVX-512
+    /// VNNI: one `vpdpbusd` per two blocks, where the float path widens and
+    /// converts every code and multiplies it in f32); the down rows are
+    /// added in f32 as in `sparse_ffn`. The result
+    /// is `sparse_ffn`'s for `x'`, `x` quantised to Q8_0 and dequantised
+    /// ([`Q8Acts`]; a prompt chunk computes with `x'` itself), so each value
+    /// of `x` moves by up to 1/254 of its block's largest magnitude, and a
+    /// threshold compares the gates of `x'`.
+    ///
+    /// ```
+    /// use hgca_cpu::CpuBackend;
+    /// use hgca_kernels::{BlockQ8_0, FfnAct, FfnWeights, Neurons, f16};
+    /// // d_model 32, 2 neurons: neuron i's gate, up and down rows hold i + 1.
+    /// let row = |v: i8| BlockQ8_0 { d: f16::ONE, qs: [v; 32] };
+    /// let rows = [row(1), row(2)];
+    /// let w = FfnWeights::new(32, 2, &rows, &rows, &rows)?;
+    /// // 127/4096 quantises exactly (scale 1/4096, code 127).
+    /// let x = [127.0f32 / 4096.0; 32];
+    /// let mut out = [0.0f32; 32];
+    /// CpuBackend::new().sparse_ffn_q8(FfnAct::Relu, &w, &x, 1, Neurons::List(&[1]), &mut out)?;
+    /// // Neuron 1: gate = up = 2 * 32 * 127/4096; relu(gate) * up * 2.
+    /// let g = 127.0f32 / 64.0;
+    /// assert_eq!(out, [g * g * 2.0; 32]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::sparse_ffn`].
+    pub fn sparse_ffn_q8<W: WeightElem + DotBlock>(
+        &self,
+        act: FfnAct,
+        w: &FfnWeights<'_, W>,
+        x: &[f32],
+        n: usize,
+        neurons: Neurons<'_>,
+        out: &mut [f32],
+    ) -> Result<FfnStats> {
+        check_len_of("x", &[n, w.d_model], x.len())?;
+        let acts = Q8Acts::quantize(x, n, w.d_model)?;
+        if n == 1 {
+            // SAFETY: the path is `qmatvec_path`'s on this CPU.
+            let dot = unsafe { row_dot_of::<W>(Self::qmatvec_path(self.isa())) };
+            return self.ffn(act, w, x, n, neurons, out, Some((dot, &acts)));
+        }
+        let mut xq = vec![0.0f32; x.len()];
+        for (b, o) in acts.blocks().iter().zip(xq.chunks_exact_mut(32)) {
+            b.dequant(o);
+        }
+        self.ffn(act, w, &xq, n, neurons, out, None)
+    }
+
+    /// [`Self::sparse_ffn`], with the gate and up rows' dot products of a
+    /// one-token call from `int` where given.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn<W: WeightElem>(
+        &self,
+        act: FfnAct,
+        w: &FfnWeights<'_, W>,
+        x: &[f32],
+        n: usize,
+        neurons: Neurons<'_>,
+        out: &mut [f32],
+        int: Option<(RowDot<W>, &Q8Acts)>,
+    ) -> Result<FfnStats> {
         let d = w.d_model;
         if W::VALUES > MAX_BLOCK {
             return Err(Error::Param {
@@ -580,7 +882,7 @@ impl CpuBackend {
                         Some(l) => Box::new(l[range.clone()].iter().map(|&i| i as usize)),
                         None => Box::new(range.clone()),
                     };
-                    ffn_part(s, ex, act, w, x, n, &mut *ids, threshold, y)
+                    ffn_part(s, ex, act, w, x, n, &mut *ids, threshold, int, y)
                 })
             };
             *st = if p == 0 {

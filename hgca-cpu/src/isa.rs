@@ -312,6 +312,38 @@ pub trait Kern: Simd {
         }
         load(self, &t)
     }
+    /// Widens `LANES` u8 values to f32 (exact). The default goes through
+    /// memory; AVX2 and AVX-512 convert in registers.
+    #[inline(always)]
+    fn widen_u8(self, src: &[u8]) -> Self::f32s {
+        let mut t = [0.0f32; 16];
+        for (o, &v) in t.iter_mut().zip(&src[..Self::F32_LANES]) {
+            *o = f32::from(v);
+        }
+        load(self, &t)
+    }
+    /// An f16 scale as f32 (exact). x86 converts with F16C: `half`'s
+    /// conversion checks for F16C at run time on every call, out of line,
+    /// which cost more than the rest of a block's work in the FFN's rows.
+    #[inline(always)]
+    fn scale_f16(self, extra: Self::Extra, h: f16) -> f32 {
+        let _ = extra;
+        h.to_f32()
+    }
+    /// GGUF's 32-value nibble layout (Q4_0, Q4_1, Q5_0) as one byte per
+    /// value: value `k < 16` is the low nibble of `qs[k]`, value `k + 16`
+    /// its high nibble, each plus 16 where bit `k` of `qh` (Q5_0's fifth
+    /// bits, little endian) is set. AVX2 and AVX-512 unpack in registers.
+    #[inline(always)]
+    fn nibbles(self, qs: &[u8; 16], qh: Option<[u8; 4]>) -> [u8; 32] {
+        let high = qh.map_or(0, u32::from_le_bytes);
+        let mut q = [0u8; 32];
+        for (k, &b) in qs.iter().enumerate() {
+            q[k] = (b & 0x0F) | ((((high >> k) & 1) as u8) << 4);
+            q[k + 16] = (b >> 4) | ((((high >> (k + 16)) & 1) as u8) << 4);
+        }
+        q
+    }
     /// Hints the cache to fetch the line holding `p`. Never faults.
     #[inline(always)]
     fn prefetch(self, p: *const u8) {
@@ -502,6 +534,36 @@ mod x86 {
             }
         }
         #[inline(always)]
+        fn widen_u8(self, src: &[u8]) -> Self::f32s {
+            let src = &src[..16];
+            // SAFETY: 16 readable bytes (checked above); the V4 token proves AVX-512F.
+            unsafe {
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(src.as_ptr().cast()));
+                pulp::cast(_mm512_cvtepi32_ps(v))
+            }
+        }
+        #[inline(always)]
+        fn scale_f16(self, _: (), h: f16) -> f32 {
+            // SAFETY: the V4 token proves AVX-512F, which implies F16C.
+            unsafe { super::x86_h2f(h) }
+        }
+        #[inline(always)]
+        fn nibbles(self, qs: &[u8; 16], qh: Option<[u8; 4]>) -> [u8; 32] {
+            // SAFETY: the V4 token proves AVX2, AVX-512BW and AVX-512VL;
+            // registers only past the 16-byte load in `x86_nibbles`.
+            unsafe {
+                let q = super::x86_nibbles(qs);
+                pulp::cast(match qh {
+                    // 16 in the bytes whose bit of qh is set.
+                    Some(h) => _mm256_or_si256(
+                        q,
+                        _mm256_maskz_mov_epi8(u32::from_le_bytes(h), _mm256_set1_epi8(0x10)),
+                    ),
+                    None => q,
+                })
+            }
+        }
+        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: prefetch never dereferences architecturally, any address is allowed.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
@@ -543,11 +605,80 @@ mod x86 {
             }
         }
         #[inline(always)]
+        fn widen_u8(self, src: &[u8]) -> Self::f32s {
+            let src = &src[..8];
+            // SAFETY: 8 readable bytes (checked above); the V3 token proves AVX2.
+            unsafe {
+                let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(src.as_ptr().cast()));
+                pulp::cast(_mm256_cvtepi32_ps(v))
+            }
+        }
+        #[inline(always)]
+        fn scale_f16(self, _: super::F16c, h: f16) -> f32 {
+            // SAFETY: an `F16c` exists only where F16C was detected.
+            unsafe { super::x86_h2f(h) }
+        }
+        #[inline(always)]
+        fn nibbles(self, qs: &[u8; 16], qh: Option<[u8; 4]>) -> [u8; 32] {
+            // SAFETY: the V3 token proves AVX2.
+            unsafe {
+                let q = super::x86_nibbles(qs);
+                pulp::cast(match qh {
+                    Some(h) => _mm256_or_si256(q, super::x86_fifth_bits(h)),
+                    None => q,
+                })
+            }
+        }
+        #[inline(always)]
         fn prefetch(self, p: *const u8) {
             // SAFETY: prefetch never dereferences architecturally, any address is allowed.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast()) }
         }
     }
+}
+
+/// An f16 widened with F16C (`half`'s conversion would check for F16C at
+/// run time on every call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "f16c")]
+#[inline]
+pub(crate) fn x86_h2f(h: f16) -> f32 {
+    use core::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
+}
+
+/// GGUF's 4-bit nibble layout in one register, a byte per value: the low
+/// nibbles of `qs` are values 0..16, the high ones 16..32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) fn x86_nibbles(qs: &[u8; 16]) -> core::arch::x86_64::__m256i {
+    use core::arch::x86_64::*;
+    // SAFETY: 16 readable bytes.
+    let v = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
+    let lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), _mm_set1_epi8(0x0F));
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Q5_0's fifth bits with AVX2: byte `k` is 16 where bit `k` of `qh`
+/// (little endian) is set, else 0. Byte `k` first takes qh's byte `k / 8`,
+/// then every bit but `k % 8` is forced on: all ones exactly where bit
+/// `k % 8` was set.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) fn x86_fifth_bits(qh: [u8; 4]) -> core::arch::x86_64::__m256i {
+    use core::arch::x86_64::*;
+    let qh = _mm256_set1_epi32(i32::from_le_bytes(qh));
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bytes = _mm256_shuffle_epi8(qh, spread);
+    let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+    let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
 #[cfg(target_arch = "aarch64")]

@@ -255,13 +255,8 @@ pub(crate) mod x86 {
     use core::arch::x86_64::*;
     use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0};
 
-    /// An f16 scale widened with F16C (`half`'s conversion would check
-    /// for F16C at run time on every block).
-    #[target_feature(enable = "f16c")]
-    #[inline]
-    pub(crate) fn h2f(h: hgca_kernels::f16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h.to_bits()))))
-    }
+    pub(crate) use crate::isa::x86_h2f as h2f;
+    use crate::isa::{x86_fifth_bits, x86_nibbles as nibbles};
 
     /// The 32 codes of a block in one register (unsigned for the formats
     /// [`DotKind::unsigned`] names, signed for Q8_0), its scale and its
@@ -269,16 +264,6 @@ pub(crate) mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     fn codes<B: DotBlock>(b: &B) -> (__m256i, f32, f32) {
-        // Two nibbles per byte: the low ones are values 0..16, the high 16..32.
-        #[target_feature(enable = "avx2")]
-        #[inline]
-        fn nibbles(qs: &[u8; 16]) -> __m256i {
-            // SAFETY: 16 readable bytes.
-            let v = unsafe { _mm_loadu_si128(qs.as_ptr().cast()) };
-            let lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), _mm_set1_epi8(0x0F));
-            _mm256_set_m128i(hi, lo)
-        }
         match B::KIND {
             DotKind::Q4_0 => {
                 let b: &BlockQ4_0 = bytemuck::cast_ref(b);
@@ -291,22 +276,8 @@ pub(crate) mod x86 {
             }
             DotKind::Q5_0 => {
                 let b: &BlockQ5_0 = bytemuck::cast_ref(b);
-                // Byte i of `set` is all ones where bit i of qh is set: byte
-                // i first takes qh's byte i / 8, then every bit but i % 8 is
-                // forced on.
-                let qh = _mm256_set1_epi32(i32::from_le_bytes(b.qh));
-                let spread = _mm256_setr_epi8(
-                    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
-                    3, 3, 3, 3, 3, 3,
-                );
-                let bytes = _mm256_shuffle_epi8(qh, spread);
-                let others = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
-                let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi8(-1));
                 // The code is the nibble plus 16 where the fifth bit is set.
-                let q = _mm256_or_si256(
-                    nibbles(&b.qs),
-                    _mm256_and_si256(set, _mm256_set1_epi8(0x10)),
-                );
+                let q = _mm256_or_si256(nibbles(&b.qs), x86_fifth_bits(b.qh));
                 let d = h2f(b.d);
                 (q, d, -16.0 * d)
             }
@@ -368,7 +339,7 @@ pub(crate) mod x86 {
     /// in registers (even and odd blocks) so consecutive blocks do not wait
     /// on each other.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+    pub(crate) fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let (mut min, mut min1) = (0.0f32, 0.0f32);
         let pairs = row
@@ -557,7 +528,7 @@ pub(crate) mod x86 {
         /// per iteration into two accumulators, the last one to three
         /// blocks as a pair and, for an odd count, one on the AVX2 path.
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-        pub(super) fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
+        pub(crate) fn row_dot<B: DotBlock>(row: &[B], x: Token<'_>) -> f32 {
             let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
             let (mut m0, mut m1) = (_mm_setzero_ps(), _mm_setzero_ps());
             let (w4, wr) = row.as_chunks::<4>();
@@ -621,6 +592,44 @@ pub enum QDotPath {
     Avx2,
     /// Two blocks per 512-bit register, `vpdpbusd`.
     Avx512Vnni,
+}
+
+/// One row's dot product with the first token of a [`Q8Acts`].
+pub(crate) type RowDot<B> = fn(&[B], &Q8Acts) -> f32;
+
+/// The row dot product of `path` for format `B`, as a function pointer (the
+/// SIMD paths are functions of their own target features, called out of
+/// line once per row).
+///
+/// # Safety
+/// `path` is what [`CpuBackend::qmatvec_path`] returned on this CPU (it
+/// detected what the SIMD paths need).
+pub(crate) unsafe fn row_dot_of<B: DotBlock>(path: QDotPath) -> RowDot<B> {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        QDotPath::Avx512Vnni => |row: &[B], a: &Q8Acts| {
+            if B::VALUES != 32 {
+                // SAFETY: the caller's promise: AVX-512 F/BW/VL and VNNI,
+                // AVX2, FMA and F16C were detected.
+                unsafe { crate::kdot::x86::vnni::row_dot(row, a.token(0)) }
+            } else {
+                // SAFETY: as above.
+                unsafe { x86::vnni::row_dot(row, a.token(0)) }
+            }
+        },
+        #[cfg(target_arch = "x86_64")]
+        QDotPath::Avx2 => |row: &[B], a: &Q8Acts| {
+            if B::VALUES != 32 {
+                // SAFETY: the caller's promise: AVX2, FMA and F16C were
+                // detected.
+                unsafe { crate::kdot::x86::row_dot(row, a.token(0)) }
+            } else {
+                // SAFETY: as above.
+                unsafe { x86::row_dot(row, a.token(0)) }
+            }
+        },
+        _ => |row: &[B], a: &Q8Acts| row_dot_scalar(row, a.token(0)),
+    }
 }
 
 impl CpuBackend {

@@ -3,10 +3,10 @@
 //! and both activations, a table of edge shapes, the partition identity
 //! (hot + cold = all), and typed errors for bad input.
 
-use hgca_cpu::{CpuBackend, Par};
+use hgca_cpu::{CpuBackend, DotBlock, FfnStats, Par};
 use hgca_kernels::{
-    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, FfnAct, Neurons, bf16,
-    f16,
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, FfnAct, FfnWeights,
+    Neurons, WeightElem, bf16, f16,
 };
 use hgca_testkit::Rng;
 use hgca_testkit::ffn::{FfnProblem, TestWeight, gap_threshold, random_subset};
@@ -26,7 +26,54 @@ fn case<W: TestWeight>(
     threshold: bool,
     seed: u64,
 ) -> Result<(), String> {
-    let p = FfnProblem::<W>::random(d, n_ff, n, seed);
+    let run = |w: &FfnWeights<'_, W>, x: &[f32], nr: Neurons<'_>, o: &mut [f32]| {
+        b.sparse_ffn(act, w, x, n, nr, o)
+    };
+    case_with(act, d, n_ff, n, threshold, seed, false, run)
+}
+
+/// [`case`] for `sparse_ffn_q8`: the reference takes the tokens quantised
+/// to Q8_0 and dequantised.
+fn case_q8<W: TestWeight + DotBlock>(
+    b: &CpuBackend,
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    threshold: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let run = |w: &FfnWeights<'_, W>, x: &[f32], nr: Neurons<'_>, o: &mut [f32]| {
+        b.sparse_ffn_q8(act, w, x, n, nr, o)
+    };
+    case_with(act, d, n_ff, n, threshold, seed, true, run)
+}
+
+/// One case run by `run` on the problem's tokens; the reference sees them
+/// through Q8_0 where `q8`.
+#[allow(clippy::too_many_arguments)]
+fn case_with<W: TestWeight>(
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    threshold: bool,
+    seed: u64,
+    q8: bool,
+    run: impl Fn(&FfnWeights<'_, W>, &[f32], Neurons<'_>, &mut [f32]) -> hgca_kernels::Result<FfnStats>,
+) -> Result<(), String> {
+    let mut p = FfnProblem::<W>::random(d, n_ff, n, seed);
+    let x = p.x.clone();
+    if q8 {
+        p.x = x
+            .chunks_exact(32)
+            .flat_map(|c| {
+                let mut o = [0.0f32; 32];
+                BlockQ8_0::quantize(c.try_into().expect("32 values")).dequant(&mut o);
+                o
+            })
+            .collect();
+    }
     let w = p.weights().map_err(|e| e.to_string())?;
     let mut rng = Rng::new(seed ^ 77);
     let mut out = vec![f32::NAN; n * d];
@@ -37,15 +84,11 @@ fn case<W: TestWeight>(
             .iter()
             .map(|a| (0..n_ff).filter(|&i| a[i].abs() > t).collect())
             .collect();
-        let st = b
-            .sparse_ffn(act, &w, &p.x, n, Neurons::Threshold(t as f32), &mut out)
-            .map_err(|e| e.to_string())?;
+        let st = run(&w, &x, Neurons::Threshold(t as f32), &mut out).map_err(|e| e.to_string())?;
         (sets, st)
     } else {
         let list = random_subset(&mut rng, n_ff, 0.3);
-        let st = b
-            .sparse_ffn(act, &w, &p.x, n, Neurons::List(&list), &mut out)
-            .map_err(|e| e.to_string())?;
+        let st = run(&w, &x, Neurons::List(&list), &mut out).map_err(|e| e.to_string())?;
         let set: Vec<usize> = list.iter().map(|&i| i as usize).collect();
         (vec![set; n], st)
     };
@@ -87,7 +130,14 @@ fn all_formats(
     case::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)?;
     let d256 = d.div_ceil(256).max(1) * 256;
     case::<BlockQ4K>(b, act, d256, n_ff, n, thr, seed)?;
-    case::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)
+    case::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)?;
+    // Tokens through Q8_0 for the gate and up rows.
+    case_q8::<BlockQ8_0>(b, act, d32, n_ff, n, thr, seed)?;
+    case_q8::<BlockQ4_0>(b, act, d32, n_ff, n, thr, seed)?;
+    case_q8::<BlockQ4_1>(b, act, d32, n_ff, n, thr, seed)?;
+    case_q8::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)?;
+    case_q8::<BlockQ4K>(b, act, d256, n_ff, n, thr, seed)?;
+    case_q8::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)
 }
 
 /// (d_model, n_ff, tokens): widths around the 16 lanes and the 32-value

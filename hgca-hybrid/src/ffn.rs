@@ -23,7 +23,7 @@
 
 use std::time::{Duration, Instant};
 
-use hgca_cpu::{CpuBackend, FfnStats};
+use hgca_cpu::{CpuBackend, DotBlock, FfnStats};
 use hgca_kernels::{
     DenseFfnBackend, Error, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons, Result, WeightElem,
     check_len_of, f16,
@@ -58,7 +58,20 @@ pub struct HybridFfn<D: DenseFfnBackend, W: WeightElem = f16> {
     act: FfnAct,
     threshold: f32,
     d_model: usize,
+    cold_call: ColdCall<W>,
 }
+
+/// How the cold side calls the CPU kernel: [`CpuBackend::sparse_ffn`], or
+/// [`CpuBackend::sparse_ffn_q8`] ([`HybridFfn::with_q8_acts`]).
+type ColdCall<W> = fn(
+    &CpuBackend,
+    FfnAct,
+    &FfnWeights<'_, W>,
+    &[f32],
+    usize,
+    Neurons<'_>,
+    &mut [f32],
+) -> Result<FfnStats>;
 
 impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
     /// Splits `w` (neuron-major): the neurons `hot` are made resident on
@@ -94,6 +107,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
             act,
             threshold,
             d_model: w.d_model,
+            cold_call: |cpu, act, w, x, n, nr, out| cpu.sparse_ffn(act, w, x, n, nr, out),
         })
     }
 
@@ -147,9 +161,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
             } else {
                 Neurons::All
             };
-            let st = self
-                .cpu
-                .sparse_ffn(self.act, &self.cold.view(), x, n, nb, o)?;
+            let st = (self.cold_call)(&self.cpu, self.act, &self.cold.view(), x, n, nb, o)?;
             Ok((st, t.elapsed()))
         };
         let (dense_time, (st, cpu_time)) = if self.dense.runs_beside_cpu() {
@@ -183,6 +195,18 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
 }
 
 /// `w` in f16 (the dense side's format).
+impl<D: DenseFfnBackend, W: WeightElem + DotBlock> HybridFfn<D, W> {
+    /// The cold neurons' gate and up rows against the tokens quantised to
+    /// Q8_0, by integer dot products ([`CpuBackend::sparse_ffn_q8`]: the
+    /// arithmetic of llama.cpp's quantised matmuls); their down rows as
+    /// before. The hot side is unchanged.
+    #[must_use]
+    pub fn with_q8_acts(mut self) -> Self {
+        self.cold_call = |cpu, act, w, x, n, nr, out| cpu.sparse_ffn_q8(act, w, x, n, nr, out);
+        self
+    }
+}
+
 fn to_f16<W: WeightElem>(w: &FfnWeights<'_, W>) -> Result<FfnOwned<f16>> {
     let conv = |m: &[W]| {
         let mut f = vec![0.0f32; m.len() * W::VALUES];

@@ -229,3 +229,34 @@ fn block_format_cold_side() {
         }
     }
 }
+
+/// `with_q8_acts`: the cold side's gate and up rows see the tokens through
+/// Q8_0 (every neuron cold here, so the reference takes those tokens), one
+/// token (the integer dot products) and a chunk.
+#[test]
+fn q8_acts_cold_side() {
+    use hgca_kernels::{BlockQ4_0, BlockQ8_0, WeightElem};
+    for (seed, (d, n_ff, n)) in [(64usize, 40usize, 1usize), (96, 75, 3), (32, 1, 1)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut p = FfnProblem::<BlockQ4_0>::random(d, n_ff, n, 70 + seed as u64);
+        let w = p.weights().unwrap();
+        let ffn = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &[], 0.0)
+            .unwrap()
+            .with_q8_acts();
+        let mut out = vec![f32::NAN; n * d];
+        ffn.forward(&p.x, n, &mut out).unwrap();
+        drop((w, ffn));
+        p.x =
+            p.x.chunks_exact(32)
+                .flat_map(|c| {
+                    let mut o = [0.0f32; 32];
+                    BlockQ8_0::quantize(c.try_into().unwrap()).dequant(&mut o);
+                    o
+                })
+                .collect();
+        let all: Vec<usize> = (0..n_ff).collect();
+        p.check(FfnAct::Silu, &vec![all; n], &out).unwrap();
+    }
+}

@@ -66,6 +66,10 @@ pub(crate) enum FormatArg {
     F16,
     /// GGUF Q8_0 blocks.
     Q8_0,
+    /// GGUF Q8_0 blocks, the cold gate and up rows against the token
+    /// quantised to Q8_0 (integer dot products, as llama.cpp).
+    #[value(name = "q8-0-int")]
+    Q8_0Int,
 }
 
 impl From<FormatArg> for FfnFormat {
@@ -73,6 +77,7 @@ impl From<FormatArg> for FfnFormat {
         match f {
             FormatArg::F16 => FfnFormat::F16,
             FormatArg::Q8_0 => FfnFormat::Q8_0,
+            FormatArg::Q8_0Int => FfnFormat::Q8_0Int,
         }
     }
 }

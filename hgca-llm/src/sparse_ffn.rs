@@ -38,6 +38,10 @@ pub enum FfnFormat {
     /// GGUF's Q8_0 blocks (34 bytes per 32 weights; the format candle's
     /// decode matmuls use under the default `--weights auto`).
     Q8_0,
+    /// Q8_0 blocks, the cold neurons' gate and up rows against the token
+    /// quantised to Q8_0 by integer dot products (llama.cpp's arithmetic:
+    /// [`HybridFfn::with_q8_acts`]).
+    Q8_0Int,
 }
 
 impl FfnFormat {
@@ -45,7 +49,7 @@ impl FfnFormat {
     pub fn row_bytes(self, d: usize) -> usize {
         match self {
             FfnFormat::F16 => 2 * d,
-            FfnFormat::Q8_0 => d / 32 * size_of::<BlockQ8_0>(),
+            FfnFormat::Q8_0 | FfnFormat::Q8_0Int => d / 32 * size_of::<BlockQ8_0>(),
         }
     }
 }
@@ -313,7 +317,7 @@ impl SparseFfn {
                 .map(|c| BlockQ8_0::quantize(c.try_into().unwrap_or(&[0.0; 32])))
                 .collect::<Vec<_>>()
         };
-        if format == FfnFormat::Q8_0 && !d.is_multiple_of(32) {
+        if format != FfnFormat::F16 && !d.is_multiple_of(32) {
             return Err(Error::invalid(
                 "ffn weights q8_0",
                 format!("model width {d} is not a multiple of 32"),
@@ -337,10 +341,15 @@ impl SparseFfn {
                     let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
                     Box::new(HybridFfn::new(cpu.clone(), c2, FfnAct::Silu, &fw, h, 0.0)?)
                 }
-                FfnFormat::Q8_0 => {
+                FfnFormat::Q8_0 | FfnFormat::Q8_0Int => {
                     let (g, u, dt) = (to_q8(g), to_q8(u), to_q8(&down_t));
                     let fw = FfnWeights::new(d, ff, &g, &u, &dt)?;
-                    Box::new(HybridFfn::new(cpu.clone(), c2, FfnAct::Silu, &fw, h, 0.0)?)
+                    let f = HybridFfn::new(cpu.clone(), c2, FfnAct::Silu, &fw, h, 0.0)?;
+                    Box::new(if format == FfnFormat::Q8_0Int {
+                        f.with_q8_acts()
+                    } else {
+                        f
+                    })
                 }
             });
         }

@@ -534,6 +534,7 @@ fn hybrid_ffn_splits_by_the_profile_and_keeps_the_identities() {
         (0.25, FfnFormat::F16),
         (1.0, FfnFormat::F16),
         (0.25, FfnFormat::Q8_0),
+        (0.25, FfnFormat::Q8_0Int),
     ] {
         let ffn =
             Arc::new(SparseFfn::with_hot(&w, cpu.clone(), &p.hot_sets(r).unwrap(), fmt).unwrap());
