@@ -362,6 +362,15 @@ trait RowOps<W> {
             self.axpy(row, a, y);
         }
     }
+    /// Whether `axpy4` reads its four rows together (then a queued row is
+    /// prefetched as it joins: four rows read side by side are four short
+    /// streams, which the hardware prefetchers barely follow: f16 rows fell
+    /// from 33 to 8 GB/s that way, one token, from DRAM). Float rows are
+    /// bound by memory and keep `axpy`'s one stream.
+    #[inline(always)]
+    fn fuses_downs(&self) -> bool {
+        false
+    }
 }
 
 /// Q8_0 rows, codes widened in registers.
@@ -393,6 +402,10 @@ impl<S: Kern, W: WeightElem> RowOps<W> for Q8Rows<S> {
                 store(s, &mut ys[k..k + lanes], v);
             }
         }
+    }
+    #[inline(always)]
+    fn fuses_downs(&self) -> bool {
+        true
     }
 }
 
@@ -431,6 +444,10 @@ impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<'_, S> {
             }
         }
     }
+    #[inline(always)]
+    fn fuses_downs(&self) -> bool {
+        true
+    }
 }
 
 /// Gate and up rows against a token quantised to Q8_0 ([`RowDot`]: the
@@ -452,6 +469,10 @@ impl<W: WeightElem, R: RowOps<W>> RowOps<W> for IntRows<'_, W, R> {
     #[inline(always)]
     fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
         self.axpy.axpy4(rows, a, y)
+    }
+    #[inline(always)]
+    fn fuses_downs(&self) -> bool {
+        self.axpy.fuses_downs()
     }
 }
 
@@ -478,33 +499,6 @@ impl<S: Kern, W: WeightElem> RowOps<W> for FloatRows<S> {
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
         axpy_row(self.0, self.1, row, a, y)
-    }
-    #[inline(always)]
-    fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
-        let (s, lanes) = (self.0, S::F32_LANES);
-        let c = [
-            s.splat_f32s(a[0]),
-            s.splat_f32s(a[1]),
-            s.splat_f32s(a[2]),
-            s.splat_f32s(a[3]),
-        ];
-        let full = y.len() / lanes;
-        for v in 0..full {
-            let o = v * lanes;
-            let mut acc = load(s, &y[o..o + lanes]);
-            for j in 0..4 {
-                let w = load_row(s, self.1, &rows[j][o..o + lanes]);
-                acc = s.mul_add_f32s(w, c[j], acc);
-            }
-            store(s, &mut y[o..o + lanes], acc);
-        }
-        let mut one = [0.0f32; 1];
-        for (k, yv) in y.iter_mut().enumerate().skip(full * lanes) {
-            for j in 0..4 {
-                rows[j][k].dequant(&mut one);
-                *yv = one[0].mul_add(a[j], *yv);
-            }
-        }
     }
 }
 
@@ -548,6 +542,32 @@ impl<'a, W: WeightElem> Downs<'a, W> {
     }
 }
 
+/// A part's neurons: a range of all of them, or a piece of an active list.
+#[derive(Clone, Copy)]
+enum Ids<'a> {
+    Range(usize, usize),
+    List(&'a [u32]),
+}
+
+impl Ids<'_> {
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match *self {
+            Ids::Range(a, b) => b - a,
+            Ids::List(l) => l.len(),
+        }
+    }
+
+    /// The `k`-th neuron (`k < len`).
+    #[inline(always)]
+    fn get(&self, k: usize) -> usize {
+        match *self {
+            Ids::Range(a, _) => a + k,
+            Ids::List(l) => l[k] as usize,
+        }
+    }
+}
+
 /// Neuron `i`'s gate, up and down rows.
 #[inline(always)]
 fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
@@ -559,32 +579,48 @@ fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
     ]
 }
 
-/// Fetches the rows of neuron `next` while neuron `i` computes: an active
-/// list skips rows, which the hardware prefetchers do not foresee;
-/// consecutive neurons they do. (With a threshold the next gate row is
-/// always read; its up and down rows may not be.)
+/// Bytes of rows the prefetches run ahead of the computation: a DRAM
+/// access's latency times the streaming rate is a few KiB, and the rows of
+/// one neuron ahead (1.5 KiB of Q4_0 at Qwen2's width) were not enough.
+const PREFETCH_AHEAD: usize = 16 << 10;
+
+/// Neurons the prefetches run ahead for weights `w`: [`PREFETCH_AHEAD`]
+/// bytes of rows, 1 to 16 neurons.
 #[inline(always)]
-fn prefetch_next<S: Kern, W: WeightElem>(
+fn ahead_of<W: WeightElem>(w: &FfnWeights<'_, W>) -> usize {
+    (PREFETCH_AHEAD / w.neuron_bytes().max(1)).clamp(1, 16)
+}
+
+/// Fetches the rows of the `j`-th neuron (one the computation reaches
+/// later) where it does not follow the one before it: an active list skips
+/// rows, which the hardware prefetchers do not foresee; consecutive neurons
+/// they do. (With a threshold only the gate row is fetched; the up and down
+/// rows may not be read.)
+#[inline(always)]
+fn prefetch_at<S: Kern, W: WeightElem>(
     s: S,
     w: &FfnWeights<'_, W>,
-    i: usize,
-    next: Option<usize>,
+    ids: Ids<'_>,
+    j: usize,
     threshold: Option<f32>,
 ) {
-    let Some(next) = next.filter(|&j| j != i + 1) else {
+    if j == 0 || j >= ids.len() || ids.get(j) == ids.get(j - 1) + 1 {
         return;
-    };
-    let [g0, u0, d0] = rows_of(w, next);
-    let parts: &[&[W]] = if threshold.is_some() {
-        &[g0]
-    } else {
-        &[g0, u0, d0]
-    };
-    for row in parts {
-        let bytes: &[u8] = bytemuck::cast_slice(row);
-        for off in (0..bytes.len()).step_by(64) {
-            s.prefetch(bytes[off..].as_ptr());
-        }
+    }
+    let [g0, u0, d0] = rows_of(w, ids.get(j));
+    prefetch_row(s, g0);
+    if threshold.is_none() {
+        prefetch_row(s, u0);
+        prefetch_row(s, d0);
+    }
+}
+
+/// Fetches every cache line of `row`.
+#[inline(always)]
+fn prefetch_row<S: Kern, W: WeightElem>(s: S, row: &[W]) {
+    let bytes: &[u8] = bytemuck::cast_slice(row);
+    for off in (0..bytes.len()).step_by(64) {
+        s.prefetch(bytes[off..].as_ptr());
     }
 }
 
@@ -599,21 +635,27 @@ fn token_part<S: Kern, W: WeightElem>(
     act: FfnAct,
     w: &FfnWeights<'_, W>,
     x: &[f32],
-    ids: &mut dyn Iterator<Item = usize>,
+    ids: Ids<'_>,
     threshold: Option<f32>,
     y: &mut [f32],
     ops: &impl RowOps<W>,
 ) -> FfnStats {
     let mut st = FfnStats::default();
     let mut downs = Downs::new();
-    let mut ids = ids.peekable();
-    while let Some(i) = ids.next() {
-        prefetch_next(s, w, i, ids.peek().copied(), threshold);
-        let [gate, up, down] = rows_of(w, i);
+    let ahead = ahead_of(w);
+    for j in 1..ahead {
+        prefetch_at(s, w, ids, j, threshold);
+    }
+    for k in 0..ids.len() {
+        prefetch_at(s, w, ids, k + ahead, threshold);
+        let [gate, up, down] = rows_of(w, ids.get(k));
         let v = act.apply(ops.dot(gate, x));
         st.rows += 1;
         if threshold.is_some_and(|th| v.abs() <= th) {
             continue;
+        }
+        if ops.fuses_downs() {
+            prefetch_row(s, down);
         }
         downs.push(down, v * ops.dot(up, x), y, ops);
         st.rows += 2;
@@ -632,7 +674,7 @@ fn token_part_with<S: Kern, W: WeightElem, R: RowOps<W>>(
     act: FfnAct,
     w: &FfnWeights<'_, W>,
     x: &[f32],
-    ids: &mut dyn Iterator<Item = usize>,
+    ids: Ids<'_>,
     threshold: Option<f32>,
     y: &mut [f32],
     ops: &R,
@@ -664,7 +706,7 @@ fn ffn_part<S: Kern, W: WeightElem>(
     w: &FfnWeights<'_, W>,
     x: &[f32],
     n: usize,
-    ids: &mut dyn Iterator<Item = usize>,
+    ids: Ids<'_>,
     threshold: Option<f32>,
     int: Option<(RowDot<W>, &Q8Acts)>,
     y: &mut [f32],
@@ -690,10 +732,13 @@ fn ffn_part<S: Kern, W: WeightElem>(
     let mut st = FfnStats::default();
     let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
     let mut a = vec![0.0f32; n];
-    let mut ids = ids.peekable();
-    while let Some(i) = ids.next() {
-        prefetch_next(s, w, i, ids.peek().copied(), threshold);
-        let rows = rows_of(w, i);
+    let ahead = ahead_of(w);
+    for j in 1..ahead {
+        prefetch_at(s, w, ids, j, threshold);
+    }
+    for k in 0..ids.len() {
+        prefetch_at(s, w, ids, k + ahead, threshold);
+        let rows = rows_of(w, ids.get(k));
         // A chunk of tokens: each row dequantised once into a buffer (f32)
         // that serves every token.
         let [gate, up, down] = rows;
@@ -878,11 +923,11 @@ impl CpuBackend {
             let range = (p * per).min(count)..((p + 1) * per).min(count);
             let run = |y: &mut [f32]| {
                 dispatch!(isa, s, ex => {
-                    let mut ids: Box<dyn Iterator<Item = usize>> = match list {
-                        Some(l) => Box::new(l[range.clone()].iter().map(|&i| i as usize)),
-                        None => Box::new(range.clone()),
+                    let ids = match list {
+                        Some(l) => Ids::List(&l[range.clone()]),
+                        None => Ids::Range(range.start, range.end),
                     };
-                    ffn_part(s, ex, act, w, x, n, &mut *ids, threshold, int, y)
+                    ffn_part(s, ex, act, w, x, n, ids, threshold, int, y)
                 })
             };
             *st = if p == 0 {
