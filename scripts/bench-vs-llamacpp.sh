@@ -121,7 +121,7 @@ PY
 done
 echo
 echo "$(basename "$gguf"), $threads threads, KV f16, decode $decode tokens, llama-bench -fa 1 -r $reps;"
-echo "hgca-llm speed (weights ${weights:-default}, hybrid: window ratio 0.25, mass:0.9). Ratios: hgca / llama.cpp."
+echo "hgca-llm speed (weights ${weights:-default}, hybrid: window ratio 0.25, mass:0.93, the default). Ratios: hgca / llama.cpp."
 echo "| context | llama.cpp decode tok/s | hgca full | hgca hybrid | llama.cpp TTFT s | hgca full TTFT s | hgca hybrid TTFT s |"
 echo "|---|---|---|---|---|---|---|"
 printf '%s\n' "${rows[@]}"

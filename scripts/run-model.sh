@@ -17,11 +17,11 @@ echo "-- perplexity, 2048-token context, last 256 tokens decoded one by one: ful
 # rounding turns any tiny change upstream (an f32 summation order) into a
 # perplexity jitter of about 1%, larger than what is measured here.
 target/release/hgca-llm --weights f32 ppl --tokens 2048 --context 2048 --score-from 1792 --decode \
-  --attn full,hybrid --window-ratio 0.25 --recovery mass:0.9
+  --attn full,hybrid --window-ratio 0.25 --recovery mass:0.93
 if [[ "${HGCA_QUICK:-0}" != 1 ]]; then
   echo "-- long-context retrieval: Qwen2.5-Coder-0.5B, a 16k-token prompt with two needles 25% and 75%"
   echo "   deep, asked in a two-turn chat one way and back (the shift task): full attention vs the hybrid"
   echo "   layer (window 0.25, default mass selector) vs the paper's frozen rule, from one prefill"
   target/release/hgca-llm --model models/Qwen2.5-Coder-0.5B-Instruct.gguf ruler --contexts 16384 \
-    --tasks shift --docs 1 --variants full,mass:0.9@0.25,frozen@0.25
+    --tasks shift --docs 1 --variants full,mass:0.93@0.25,frozen@0.25
 fi

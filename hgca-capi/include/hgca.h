@@ -918,7 +918,7 @@ hgca_status hgca_select_threshold(const float *maw,
 
 /*
  Fills `cfg` with the defaults (f16 KV, window 1024, block 64, 4 sinks,
- beta 1, alpha 0.9, the mass-targeted selector (target 0.9, max share 0.5), all cores).
+ beta 1, alpha 0.9, the mass-targeted selector (target 0.93, max share 0.5), all cores).
 
  # Safety
  `cfg` null or valid for a write.

@@ -26,7 +26,7 @@ enum HybridAny {
 }
 
 /// Fills `cfg` with the defaults (f16 KV, window 1024, block 64, 4 sinks,
-/// beta 1, alpha 0.9, the mass-targeted selector (target 0.9, max share 0.5), all cores).
+/// beta 1, alpha 0.9, the mass-targeted selector (target 0.93, max share 0.5), all cores).
 ///
 /// # Safety
 /// `cfg` null or valid for a write.
@@ -39,7 +39,7 @@ pub unsafe extern "C" fn hgca_hybrid_config_default(cfg: *mut hgca_hybrid_config
         let d = HybridConfig::default();
         // The mass fields hold the selector's defaults whatever the rule,
         // so that switching `recovery` to HGCA_RECOVERY_MASS needs nothing else.
-        let mut mass = MassTarget::new(0.9, 0.5)?;
+        let mut mass = MassTarget::DEFAULT;
         let (recovery, param) = match d.recovery {
             Recovery::Frozen => (HGCA_RECOVERY_FROZEN, 0),
             Recovery::Rescore { every } => (HGCA_RECOVERY_RESCORE, every),

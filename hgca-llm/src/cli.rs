@@ -54,7 +54,7 @@ pub(crate) enum Cmd {
         /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
         /// mass8:/mass4: for the int8 or int4 (default) key copy, or oracle:P[:S]:
         /// the mass rule on exact scores).
-        #[arg(long, default_value = "mass:0.9")]
+        #[arg(long, default_value = "mass:0.93")]
         recovery: String,
     },
     /// Retrieval of a code hidden in a haystack of real text, full
@@ -126,7 +126,7 @@ pub(crate) struct PplArgs {
     /// default, else all; mass8:/mass4: name its int8 or int4 (default)
     /// key copy), oracle:P[:S] (the mass rule on exact scores: its bound,
     /// reading every key).
-    #[arg(long, default_value = "mass:0.9")]
+    #[arg(long, default_value = "mass:0.93")]
     pub(crate) recovery: String,
     /// Hybrid: eviction block (power of two).
     #[arg(long, default_value_t = 64)]

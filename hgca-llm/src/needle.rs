@@ -40,7 +40,7 @@ pub(crate) struct NeedleArgs {
     /// Hybrid: recovery rule (frozen, rescore:N, bounds:N, mass:P[:S],
     /// mass8:/mass4: for the int8 or int4 (default) key copy, or oracle:P[:S]: the
     /// mass rule on exact scores, for evaluations).
-    #[arg(long, default_value = "mass:0.9")]
+    #[arg(long, default_value = "mass:0.93")]
     recovery: String,
     /// Prefill the question too (by default its tokens are decode steps).
     #[arg(long)]

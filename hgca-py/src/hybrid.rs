@@ -54,7 +54,7 @@ fn slice_of<'a>(
 #[pymethods]
 impl HybridLayer {
     #[new]
-    #[pyo3(signature = (q_heads, kv_heads, head_dim, *, window = 1024, block = 64, sinks = 4, beta = 1.0, alpha = 0.9, recovery = "mass", recovery_param = 32, mass_target = 0.9, mass_max_share = 0.5, refresh_queries = 1, dtype = "f16", threads = 0))]
+    #[pyo3(signature = (q_heads, kv_heads, head_dim, *, window = 1024, block = 64, sinks = 4, beta = 1.0, alpha = 0.9, recovery = "mass", recovery_param = 32, mass_target = 0.93, mass_max_share = 0.5, refresh_queries = 1, dtype = "f16", threads = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         q_heads: usize,

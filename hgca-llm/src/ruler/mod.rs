@@ -62,7 +62,7 @@ pub(crate) struct RulerArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "full,mass:0.9@0.25,mass:0.9@0.1,oracle:0.9@0.25,frozen@0.25"
+        default_value = "full,mass:0.93@0.25,mass:0.93@0.1,oracle:0.93@0.25,frozen@0.25"
     )]
     variants: Vec<String>,
     /// Prefill each question's turn as a chunk (by default its tokens are

@@ -131,7 +131,7 @@ class HybridAttention:
         alpha: float = 0.9,
         recovery: Literal["frozen", "rescore", "bounds", "mass"] = "mass",
         recovery_param: int = 32,
-        mass_target: float = 0.9,
+        mass_target: float = 0.93,
         mass_max_share: float = 0.5,
         refresh_queries: int = 1,
         dtype: Literal["f32", "f16", "bf16"] = "f16",
