@@ -294,6 +294,59 @@ impl CpuBackend {
         )
     }
 
+    /// Causal append over a sliding window (the local layers of Gemma 3 and
+    /// the like): as [`CpuBackend::dense_append`], but query `i` sees only
+    /// the last `window` of its tokens, `v - window .. v` for
+    /// `v = min(visible0 + i, tokens)` (from 0 when `v < window`). A chunk of many queries
+    /// takes the tiled prefill kernel, each tile walking only the keys its
+    /// queries' windows cover.
+    ///
+    /// # Errors
+    /// [`Error::Zero`] for a window of 0 tokens; [`Error::Length`] /
+    /// [`Error::ShapeMismatch`] when the inputs do not fit `shape`.
+    ///
+    /// ```
+    /// use hgca_cpu::CpuBackend;
+    /// use hgca_kernels::{AttnShape, KvSlices, Partial, PartialLayout};
+    /// let shape = AttnShape::new(1, 1, 1)?;
+    /// // Three tokens with equal scores (q = 0): each query averages the
+    /// // values of its last two tokens.
+    /// let (k, v) = ([1.0f32; 3], [1.0f32, 3.0, 5.0]);
+    /// let kv = KvSlices::new(1, 1, 3, &k, &v)?;
+    /// let mut out = Partial::empty(PartialLayout::append(&shape, 3));
+    /// CpuBackend::new().dense_append_window(&shape, &[0.0; 3], 3, 1, 2, &kv, out.as_mut())?;
+    /// assert_eq!(out.out(), &[1.0, 2.0, 4.0]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    #[allow(clippy::too_many_arguments)]
+    pub fn dense_append_window<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        n_q: usize,
+        visible0: usize,
+        window: usize,
+        kv: &K,
+        out: PartialMut<'_>,
+    ) -> Result<()> {
+        if window == 0 {
+            return Err(Error::Zero {
+                what: "sliding window",
+            });
+        }
+        let n = kv.tokens();
+        let visible = move |t: usize| visible0.saturating_add(t).min(n);
+        self.dense_append_band(
+            shape,
+            q,
+            n_q,
+            move |t| visible(t).saturating_sub(window),
+            visible,
+            kv,
+            out,
+        )
+    }
+
     /// Causal append where query `t` sees tokens `0..visible(t)` (`<= tokens`).
     pub(crate) fn dense_append_with<T: SimdElem, K: KvSource<T>>(
         &self,
@@ -302,16 +355,34 @@ impl CpuBackend {
         n_q: usize,
         visible: impl Fn(usize) -> usize + Sync,
         kv: &K,
+        out: PartialMut<'_>,
+    ) -> Result<()> {
+        self.dense_append_band(shape, q, n_q, |_| 0, visible, kv, out)
+    }
+
+    /// Append where query `t` sees tokens `first(t)..visible(t)` (both
+    /// non-decreasing in `t`; `visible(t) <= tokens`).
+    #[allow(clippy::too_many_arguments)]
+    fn dense_append_band<T: SimdElem, K: KvSource<T>>(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        n_q: usize,
+        first: impl Fn(usize) -> usize + Sync,
+        visible: impl Fn(usize) -> usize + Sync,
+        kv: &K,
         mut out: PartialMut<'_>,
     ) -> Result<()> {
         check_common(shape, q, n_q, kv, &out)?;
         let n = kv.tokens();
+        let visible = |t: usize| visible(t).min(n);
+        let first = |t: usize| first(t).min(visible(t));
         if n_q >= prefill::MIN_QUERIES {
             // Many queries: the tiled kernel (query rows x key tiles).
             let scale = shape.scale();
             let qs: Vec<f32> = q.iter().map(|&x| x * scale).collect();
             let (o, l) = out.parts_mut();
-            prefill::append_tiled(self, shape, &qs, n_q, &|t| visible(t).min(n), kv, o, l);
+            prefill::append_tiled(self, shape, &qs, n_q, &first, &visible, kv, o, l);
             return Ok(());
         }
         self.run_whole(
@@ -319,7 +390,7 @@ impl CpuBackend {
             q,
             n_q,
             |_| kv,
-            |t, _| Spec::Range(0, visible(t).min(n)),
+            |t, _| Spec::Range(first(t), visible(t)),
             |_, _| 0,
             out,
             None,

@@ -14,7 +14,9 @@
 //!    per tile, for all its rows;
 //! 2. scores: `MR` rows x `TK` keys in registers, one broadcast of a query
 //!    element and `TK / lanes` vector FMAs per element (a GEMM micro-kernel);
-//! 3. causal mask (only on tiles the rows do not all see), online softmax:
+//! 3. mask (only on tiles the rows do not all see: the causal edge, and
+//!    a sliding window's far edge, whose rows start their walk at the
+//!    first key any of them sees), online softmax:
 //!    running max and sum per row, the row's output rescaled when its max
 //!    moves, weights from the vectorised `exp`;
 //! 4. values: `MR` rows x 4 vectors of output columns in registers, one
@@ -56,13 +58,15 @@ struct Tile {
     /// Running max and sum per row.
     m: Vec<f32>,
     l: Vec<f32>,
-    /// Tokens each row sees.
+    /// Tokens each row sees: `first[r]..vis[r]`.
     vis: Vec<usize>,
+    first: Vec<usize>,
 }
 
 /// The causal append of `n_q` queries (`qs`: `[n_q, q_heads, d]`, already
-/// scaled), query `t` seeing tokens `0..visible(t)` of `kv` (a
-/// non-decreasing function, at most `kv.tokens()`), into `out_o`
+/// scaled), query `t` seeing tokens `first(t)..visible(t)` of `kv` (both
+/// non-decreasing functions, `visible` at most `kv.tokens()`; `first` is 0
+/// but for a sliding window), into `out_o`
 /// (`[n_q, q_heads, d]`, normalised) and `out_lse` (`[n_q, q_heads]`,
 /// natural log). The caller has checked the lengths.
 #[allow(clippy::too_many_arguments)]
@@ -71,6 +75,7 @@ pub(crate) fn append_tiled<T: SimdElem, K: KvSource<T>>(
     shape: &AttnShape,
     qs: &[f32],
     n_q: usize,
+    first: &(impl Fn(usize) -> usize + Sync),
     visible: &(impl Fn(usize) -> usize + Sync),
     kv: &K,
     out_o: &mut [f32],
@@ -82,7 +87,7 @@ pub(crate) fn append_tiled<T: SimdElem, K: KvSource<T>>(
     let task = |i: usize, o: &mut [f32], lse: &mut [f32]| {
         let t0 = i * tq;
         let nt = lse.len() / qh;
-        dispatch!(isa, s, x => tile_task(s, x, shape, qs, t0, nt, visible, kv, o, lse));
+        dispatch!(isa, s, x => tile_task(s, x, shape, qs, t0, nt, first, visible, kv, o, lse));
     };
     debug_assert!(out_o.len() == n_q * qh * d && out_lse.len() == n_q * qh);
     let mut tiles: Vec<(&mut [f32], &mut [f32])> = out_o
@@ -102,6 +107,7 @@ fn tile_task<S: Kern, T: SimdElem, K: KvSource<T>>(
     qs: &[f32],
     t0: usize,
     nt: usize,
+    first: &impl Fn(usize) -> usize,
     visible: &impl Fn(usize) -> usize,
     kv: &K,
     o: &mut [f32],
@@ -126,12 +132,14 @@ fn tile_task<S: Kern, T: SimdElem, K: KvSource<T>>(
         m: vec![0.0; rows_p],
         l: vec![0.0; rows_p],
         vis: vec![0; rows_p],
+        first: vec![0; rows_p],
     };
     for r in 0..rows {
         tile.vis[r] = visible(t0 + r / group);
+        tile.first[r] = first(t0 + r / group).min(tile.vis[r]);
     }
-    let lo_vis = tile.vis[0];
-    let hi_vis = tile.vis[rows - 1];
+    let (lo_vis, hi_vis) = (tile.vis[0], tile.vis[rows - 1]);
+    let (lo_first, hi_first) = (tile.first[0], tile.first[rows - 1]);
     for g in 0..hk {
         for ti in 0..nt {
             let src = &qs[((t0 + ti) * qh + g * group) * d..][..group * d];
@@ -140,7 +148,7 @@ fn tile_task<S: Kern, T: SimdElem, K: KvSource<T>>(
         tile.o.fill(0.0);
         tile.m.fill(f32::NEG_INFINITY);
         tile.l.fill(0.0);
-        let mut j0 = 0;
+        let mut j0 = lo_first;
         while j0 < hi_vis {
             let nk = (hi_vis - j0).min(TK);
             pack(s, x, kv, g, j0, nk, d, dp, &mut tile);
@@ -153,7 +161,7 @@ fn tile_task<S: Kern, T: SimdElem, K: KvSource<T>>(
                 }
             }
             // Rows that see every key of the tile need no mask.
-            let masked = j0 + TK > lo_vis;
+            let masked = j0 + TK > lo_vis || j0 < hi_first;
             for r in 0..rows_p {
                 softmax_row(s, &mut tile, r, j0, nk, masked, dp);
             }
@@ -276,14 +284,18 @@ fn softmax_row<S: Simd>(
     dp: usize,
 ) {
     let row = &mut tile.sc[r * TK..(r + 1) * TK];
-    let lim = if masked {
-        tile.vis[r].saturating_sub(j0).min(nk)
+    let (lo, lim) = if masked {
+        (
+            tile.first[r].saturating_sub(j0).min(nk),
+            tile.vis[r].saturating_sub(j0).min(nk),
+        )
     } else {
-        nk
+        (0, nk)
     };
     row[lim..].fill(f32::NEG_INFINITY);
+    row[..lo.min(lim)].fill(f32::NEG_INFINITY);
     let (m, l) = (&mut tile.m[r], &mut tile.l[r]);
-    if l.is_nan() || lim == 0 {
+    if l.is_nan() || lim <= lo {
         // A poisoned row stays NaN; a row that sees none of these keys adds nothing.
         row.fill(0.0);
         return;

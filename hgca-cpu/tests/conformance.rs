@@ -100,10 +100,11 @@ fn dense_all_case<T: KvElem>(
 }
 
 /// Causal append against the reference: query i sees tokens
-/// 0..visible0+i. From `MIN_QUERIES` (8) queries the backend takes the
-/// tiled prefill kernel, below it the decode kernel per query: the cases
-/// cover both, every KV dtype, and a first query that sees `lag` fewer
-/// tokens than the chunk's own (a window's view).
+/// 0..visible0+i, or with a sliding `window` only the last `window` of
+/// them. From `MIN_QUERIES` (8) queries the backend takes the tiled prefill
+/// kernel, below it the decode kernel per query: the cases cover both,
+/// every KV dtype, and a first query that sees `lag` fewer tokens than the
+/// chunk's own (a window's view).
 fn append_case(
     b: &CpuBackend,
     dtype: DType,
@@ -112,11 +113,25 @@ fn append_case(
     n_q: usize,
     seed: u64,
 ) -> Result<(), String> {
+    append_window_case(b, dtype, shape, tokens, n_q, None, seed)
+}
+
+/// [`append_case`] with an optional sliding window.
+fn append_window_case(
+    b: &CpuBackend,
+    dtype: DType,
+    shape: AttnShape,
+    tokens: usize,
+    n_q: usize,
+    window: Option<usize>,
+    seed: u64,
+) -> Result<(), String> {
     fn go<T: KvElem>(
         b: &CpuBackend,
         shape: AttnShape,
         tokens: usize,
         n_q: usize,
+        window: Option<usize>,
         seed: u64,
     ) -> Result<(), String> {
         let p = Problem::<T>::random(shape, tokens, 10.0, seed);
@@ -130,11 +145,16 @@ fn append_case(
         };
         let layout = PartialLayout::append(&shape, n_q);
         let mut out = Partial::poisoned(layout);
-        b.dense_append(&shape, &q, n_q, visible0, &p.kv(), out.as_mut())
-            .map_err(|e| e.to_string())?;
+        match window {
+            None => b.dense_append(&shape, &q, n_q, visible0, &p.kv(), out.as_mut()),
+            Some(w) => b.dense_append_window(&shape, &q, n_q, visible0, w, &p.kv(), out.as_mut()),
+        }
+        .map_err(|e| e.to_string())?;
         let mut want = Vec::new();
         for i in 0..n_q {
-            let sets = vec![(0..(visible0 + i).min(tokens)).collect::<Vec<_>>(); shape.kv_heads()];
+            let end = (visible0 + i).min(tokens);
+            let start = window.map_or(0, |w| end.saturating_sub(w));
+            let sets = vec![(start..end).collect::<Vec<_>>(); shape.kv_heads()];
             let s = &shape;
             want.extend(hgca_ref::attend(
                 &q[i * s.q_len()..(i + 1) * s.q_len()],
@@ -158,9 +178,9 @@ fn append_case(
         )
     }
     match dtype {
-        DType::F32 => go::<f32>(b, shape, tokens, n_q, seed),
-        DType::F16 => go::<f16>(b, shape, tokens, n_q, seed),
-        DType::BF16 => go::<bf16>(b, shape, tokens, n_q, seed),
+        DType::F32 => go::<f32>(b, shape, tokens, n_q, window, seed),
+        DType::F16 => go::<f16>(b, shape, tokens, n_q, window, seed),
+        DType::BF16 => go::<bf16>(b, shape, tokens, n_q, window, seed),
     }
 }
 
@@ -664,6 +684,22 @@ macro_rules! isa_suite {
                 }
 
                 #[test]
+                fn append_over_a_sliding_window(
+                    shape in arb_shape(),
+                    dtype in prop::sample::select(DType::ALL.to_vec()),
+                    tokens in 1usize..300,
+                    n_q in prop_oneof![1usize..8, 8usize..80],
+                    window in prop_oneof![1usize..40, 40usize..300],
+                    par in 0usize..3,
+                    seed in any::<u64>(),
+                ) {
+                    if let Some(b) = backend($kind, pars()[par]) {
+                        let r = append_window_case(&b, dtype, shape, tokens, n_q.min(tokens), Some(window), seed);
+                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+                    }
+                }
+
+                #[test]
                 fn threshold_form_selects_while_scanning(shape in arb_shape(), tokens in 0usize..900, par in 0usize..3, seed in any::<u64>()) {
                     if let Some(b) = backend($kind, pars()[par]) {
                         let r = threshold_case(&b, shape, tokens, seed);
@@ -782,6 +818,11 @@ macro_rules! isa_suite {
                             .unwrap_or_else(|e| panic!("{shape:?} n={tokens} n_q={n_q} {dtype}: {e}"));
                     }
                 }
+                // Gemma 3's local layers: 4 query heads on one KV head of
+                // 256, a window shorter than the chunk (scaled down from 512).
+                let shape = AttnShape::new(4, 1, 256).unwrap();
+                append_window_case(&b, DType::F16, shape, 360, 200, Some(96), 7)
+                    .unwrap_or_else(|e| panic!("sliding window: {e}"));
             }
 
             #[test]
@@ -802,6 +843,12 @@ macro_rules! isa_suite {
                             for n_q in [4, 33] {
                                 append_case(&b, dtype, shape, n, n.min(n_q), i as u64)
                                     .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} {dtype}: {e}"));
+                                // Windows of one token, shorter than a key
+                                // tile, across tiles, and past every token.
+                                for w in [1, 5, 40, n + 1] {
+                                    append_window_case(&b, dtype, shape, n, n.min(n_q), Some(w), i as u64)
+                                        .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} window {w} {dtype}: {e}"));
+                                }
                             }
                         }
                     }

@@ -74,6 +74,52 @@ impl<T: KvElem> KvSource<T> for Ring<T> {
     }
 }
 
+/// The ring's last `ring_n` tokens (from its `skip`-th) followed by a
+/// chunk's own `n` (`[n, kv_heads, d]` each, as stored): what the queries
+/// of a chunk see together.
+struct Chained<'a, T> {
+    ring: &'a Ring<T>,
+    skip: usize,
+    ring_n: usize,
+    k: &'a [T],
+    v: &'a [T],
+}
+
+impl<T: KvElem> Chained<'_, T> {
+    #[inline(always)]
+    fn own(&self, h: usize, j: usize) -> usize {
+        ((j - self.ring_n) * self.ring.kv_heads + h) * self.ring.d
+    }
+}
+
+impl<T: KvElem> KvSource<T> for Chained<'_, T> {
+    fn kv_heads(&self) -> usize {
+        self.ring.kv_heads
+    }
+    fn head_dim(&self) -> usize {
+        self.ring.d
+    }
+    fn tokens(&self) -> usize {
+        self.ring_n + self.k.len() / (self.ring.kv_heads * self.ring.d)
+    }
+    #[inline(always)]
+    fn k_row(&self, h: usize, j: usize) -> &[T] {
+        if j < self.ring_n {
+            self.ring.k_row(h, self.skip + j)
+        } else {
+            &self.k[self.own(h, j)..][..self.ring.d]
+        }
+    }
+    #[inline(always)]
+    fn v_row(&self, h: usize, j: usize) -> &[T] {
+        if j < self.ring_n {
+            self.ring.v_row(h, self.skip + j)
+        } else {
+            &self.v[self.own(h, j)..][..self.ring.d]
+        }
+    }
+}
+
 /// Exact attention of each query over the most recent `window` tokens,
 /// itself included (a token at position `p` sees positions `p - window + 1
 /// ..= p`, as Gemma 3's local layers), on the CPU, KV stored as `T`. It
@@ -102,6 +148,9 @@ pub struct SlidingAttention<T: KvElem> {
     ring: Ring<T>,
     seen: usize,
     lse: Vec<f32>,
+    /// A chunk's own K and V as stored (scratch).
+    ck: Vec<T>,
+    cv: Vec<T>,
 }
 
 impl<T: KvElem> SlidingAttention<T> {
@@ -140,6 +189,8 @@ impl<T: KvElem> SlidingAttention<T> {
             },
             seen: 0,
             lse: Vec::new(),
+            ck: Vec::new(),
+            cv: Vec::new(),
         })
     }
 
@@ -166,21 +217,49 @@ impl<T: KvElem> SequenceAttention for SlidingAttention<T> {
         crate::check_forward(&self.shape, q, k, v, n, out)?;
         let s = self.shape;
         let (qr, kr) = (s.q_heads() * s.head_dim(), s.kv_heads() * s.head_dim());
-        self.lse.resize(s.q_heads(), 0.0);
-        // Query by query: each sees its own window, which a chunk's causal
-        // kernel (one lower bound for every query) cannot give.
-        for i in 0..n {
+        if n == 0 {
+            return Ok(());
+        }
+        if n == 1 {
+            // A decode step: the ring holds the window once the token is in.
+            self.ring.push(k, v);
+            self.seen += 1;
+            self.lse.resize(s.q_heads(), 0.0);
+            let part = PartialMut::new(PartialLayout::decode(&s), out, &mut self.lse)?;
+            return self.cpu.dense_decode(&s, q, &self.ring, part, None);
+        }
+        // A chunk: its queries see the ring's last `window - 1` tokens and
+        // the chunk's own, each its own band of them (the tiled kernel's
+        // sliding-window form).
+        let w = self.ring.cap;
+        let ring_n = self.ring.held.min(w - 1);
+        let to_t = |dst: &mut Vec<T>, src: &[f32]| {
+            dst.clear();
+            dst.extend(src.iter().map(|&x| T::from_f32(x)));
+        };
+        to_t(&mut self.ck, &k[..n * kr]);
+        to_t(&mut self.cv, &v[..n * kr]);
+        self.lse.resize(n * s.q_heads(), 0.0);
+        let chain = Chained {
+            ring: &self.ring,
+            skip: self.ring.held - ring_n,
+            ring_n,
+            k: &self.ck,
+            v: &self.cv,
+        };
+        let part = PartialMut::new(
+            PartialLayout::append(&s, n),
+            &mut out[..n * qr],
+            &mut self.lse,
+        )?;
+        self.cpu
+            .dense_append_window(&s, q, n, ring_n + 1, w, &chain, part)?;
+        // Only the chunk's last `window` tokens stay.
+        for i in n.saturating_sub(w)..n {
             self.ring
                 .push(&k[i * kr..(i + 1) * kr], &v[i * kr..(i + 1) * kr]);
-            self.seen += 1;
-            let part = PartialMut::new(
-                PartialLayout::decode(&s),
-                &mut out[i * qr..(i + 1) * qr],
-                &mut self.lse,
-            )?;
-            self.cpu
-                .dense_decode(&s, &q[i * qr..(i + 1) * qr], &self.ring, part, None)?;
         }
+        self.seen += n;
         Ok(())
     }
 
