@@ -258,6 +258,9 @@ pub(crate) mod x86 {
     pub(crate) use crate::isa::x86_h2f as h2f;
     use crate::isa::{x86_fifth_bits, x86_nibbles as nibbles};
 
+    /// How far ahead of the row being multiplied [`rows`] prefetches.
+    const PREFETCH_BYTES: usize = 4096;
+
     /// The 32 codes of a block in one register (unsigned for the formats
     /// [`DotKind::unsigned`] names, signed for Q8_0), its scale and its
     /// minimum (the value of code 0).
@@ -371,7 +374,19 @@ pub(crate) mod x86 {
         vnni: bool,
     ) {
         let n = acts.tokens();
+        let row_bytes = nb * size_of::<B>();
+        let end = w.as_ptr_range().end.cast::<u8>();
         for (row, o) in w.chunks_exact(nb).zip(out.chunks_exact_mut(n)) {
+            // The rows PREFETCH_BYTES ahead, a cache line at a time: a task's
+            // rows are one stream, but short enough (tens of KiB) that the
+            // hardware prefetcher is still ramping up when it ends.
+            let ahead = row.as_ptr().cast::<u8>().wrapping_add(PREFETCH_BYTES);
+            let mut line = 0;
+            while line < row_bytes && ahead.wrapping_add(line) < end {
+                // SAFETY: a prefetch has no side effect and no fault.
+                unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+                line += 64;
+            }
             for (t, y) in o.iter_mut().enumerate() {
                 *y = if B::VALUES != 32 {
                     if vnni {
