@@ -228,16 +228,30 @@ fn q8_block<S: Kern>(s: S, extra: S::Extra, b: &BlockQ8_0, xs: &[f32], acc: S::f
     s.mul_add_f32s(blk, s.splat_f32s(s.scale_f16(extra, b.d)), acc)
 }
 
-/// `y += a * row` over Q8_0 blocks, the codes widened in registers.
+/// `y += Σ_j a[j] rows[j]` over Q8_0 blocks, the codes widened in
+/// registers, one pass over `y` for the `R` rows (each row's product added
+/// in turn, as one row at a time would).
 #[inline(always)]
-fn axpy_q8<S: Kern>(s: S, extra: S::Extra, row: &[BlockQ8_0], a: f32, y: &mut [f32]) {
+fn axpy_q8<S: Kern, const R: usize>(
+    s: S,
+    extra: S::Extra,
+    rows: [&[BlockQ8_0]; R],
+    a: [f32; R],
+    y: &mut [f32],
+) {
     let lanes = S::F32_LANES;
-    for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
-        let c = s.splat_f32s(a * s.scale_f16(extra, b.d));
+    for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
+        let mut c = [s.splat_f32s(0.0); R];
+        for j in 0..R {
+            c[j] = s.splat_f32s(a[j] * s.scale_f16(extra, rows[j][bi].d));
+        }
         for k in (0..32).step_by(lanes) {
-            let q = s.widen_i8(&b.qs[k..k + lanes]);
-            let r = s.mul_add_f32s(q, c, load(s, &ys[k..k + lanes]));
-            store(s, &mut ys[k..k + lanes], r);
+            let mut v = load(s, &ys[k..k + lanes]);
+            for j in 0..R {
+                let q = s.widen_i8(&rows[j][bi].qs[k..k + lanes]);
+                v = s.mul_add_f32s(q, c[j], v);
+            }
+            store(s, &mut ys[k..k + lanes], v);
         }
     }
 }
@@ -329,18 +343,35 @@ fn small_block_dot<S: Kern, W: WeightElem>(
     )
 }
 
-/// `y += a * row` over Q4_0, Q4_1 or Q5_0 blocks, the codes unpacked and
-/// widened in registers.
+/// `y += Σ_j a[j] rows[j]` over Q4_0, Q4_1 or Q5_0 blocks, the codes
+/// unpacked and widened in registers, one pass over `y` for the `R` rows
+/// (their minimums' share added first, then each row's codes in turn).
 #[inline(always)]
-fn axpy_small<S: Kern, W: WeightElem>(s: S, extra: S::Extra, row: &[W], a: f32, y: &mut [f32]) {
+fn axpy_small<S: Kern, W: WeightElem, const R: usize>(
+    s: S,
+    extra: S::Extra,
+    rows: [&[W]; R],
+    a: [f32; R],
+    y: &mut [f32],
+) {
     let lanes = S::F32_LANES;
-    for (b, ys) in row.iter().zip(y.chunks_exact_mut(32)) {
-        let (q, d, m) = small_block(s, extra, b);
-        let (c, cm) = (s.splat_f32s(a * d), s.splat_f32s(a * m));
+    for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
+        let mut q = [[0u8; 32]; R];
+        let mut c = [s.splat_f32s(0.0); R];
+        let mut min = 0.0f32;
+        for j in 0..R {
+            let (codes, d, m) = small_block(s, extra, &rows[j][bi]);
+            q[j] = codes;
+            c[j] = s.splat_f32s(a[j] * d);
+            min = a[j].mul_add(m, min);
+        }
+        let min = s.splat_f32s(min);
         for k in (0..32).step_by(lanes) {
-            let yv = s.add_f32s(load(s, &ys[k..k + lanes]), cm);
-            let r = s.mul_add_f32s(s.widen_u8(&q[k..k + lanes]), c, yv);
-            store(s, &mut ys[k..k + lanes], r);
+            let mut v = s.add_f32s(load(s, &ys[k..k + lanes]), min);
+            for j in 0..R {
+                v = s.mul_add_f32s(s.widen_u8(&q[j][k..k + lanes]), c[j], v);
+            }
+            store(s, &mut ys[k..k + lanes], v);
         }
     }
 }
@@ -382,26 +413,11 @@ impl<S: Kern, W: WeightElem> RowOps<W> for Q8Rows<S> {
     }
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
-        axpy_q8(self.0, self.1, q8(row), a, y)
+        axpy_q8(self.0, self.1, [q8(row)], [a], y)
     }
     #[inline(always)]
     fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
-        let (s, rows) = (self.0, [q8(rows[0]), q8(rows[1]), q8(rows[2]), q8(rows[3])]);
-        let lanes = S::F32_LANES;
-        for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
-            let mut c = [s.splat_f32s(0.0); 4];
-            for j in 0..4 {
-                c[j] = s.splat_f32s(a[j] * s.scale_f16(self.1, rows[j][bi].d));
-            }
-            for k in (0..32).step_by(lanes) {
-                let mut v = load(s, &ys[k..k + lanes]);
-                for j in 0..4 {
-                    let q = s.widen_i8(&rows[j][bi].qs[k..k + lanes]);
-                    v = s.mul_add_f32s(q, c[j], v);
-                }
-                store(s, &mut ys[k..k + lanes], v);
-            }
-        }
+        axpy_q8(self.0, self.1, rows.map(q8), a, y)
     }
     #[inline(always)]
     fn fuses_downs(&self) -> bool {
@@ -419,30 +435,11 @@ impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<'_, S> {
     }
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
-        axpy_small(self.0, self.1, row, a, y)
+        axpy_small(self.0, self.1, [row], [a], y)
     }
     #[inline(always)]
     fn axpy4(&self, rows: [&[W]; 4], a: [f32; 4], y: &mut [f32]) {
-        let (s, lanes) = (self.0, S::F32_LANES);
-        for (bi, ys) in y.chunks_exact_mut(32).enumerate() {
-            let mut q = [[0u8; 32]; 4];
-            let mut c = [s.splat_f32s(0.0); 4];
-            let mut min = 0.0f32;
-            for j in 0..4 {
-                let (codes, d, m) = small_block(s, self.1, &rows[j][bi]);
-                q[j] = codes;
-                c[j] = s.splat_f32s(a[j] * d);
-                min = a[j].mul_add(m, min);
-            }
-            let min = s.splat_f32s(min);
-            for k in (0..32).step_by(lanes) {
-                let mut v = s.add_f32s(load(s, &ys[k..k + lanes]), min);
-                for j in 0..4 {
-                    v = s.mul_add_f32s(s.widen_u8(&q[j][k..k + lanes]), c[j], v);
-                }
-                store(s, &mut ys[k..k + lanes], v);
-            }
-        }
+        axpy_small(self.0, self.1, rows, a, y)
     }
     #[inline(always)]
     fn fuses_downs(&self) -> bool {
@@ -615,6 +612,43 @@ fn prefetch_at<S: Kern, W: WeightElem>(
     }
 }
 
+/// The prefetches of a walk over `ids`: [`ahead_of`] neurons ahead of the
+/// one being computed.
+struct Prefetches<'a, 'w, W> {
+    w: &'a FfnWeights<'w, W>,
+    ids: Ids<'a>,
+    threshold: Option<f32>,
+    ahead: usize,
+}
+
+impl<'a, 'w, W: WeightElem> Prefetches<'a, 'w, W> {
+    /// Starts a walk: fetches the neurons before the first `ahead`.
+    #[inline(always)]
+    fn start<S: Kern>(
+        s: S,
+        w: &'a FfnWeights<'w, W>,
+        ids: Ids<'a>,
+        threshold: Option<f32>,
+    ) -> Self {
+        let ahead = ahead_of(w);
+        for j in 1..ahead {
+            prefetch_at(s, w, ids, j, threshold);
+        }
+        Self {
+            w,
+            ids,
+            threshold,
+            ahead,
+        }
+    }
+
+    /// Before the walk computes its `k`-th neuron.
+    #[inline(always)]
+    fn before<S: Kern>(&self, s: S, k: usize) {
+        prefetch_at(s, self.w, self.ids, k + self.ahead, self.threshold);
+    }
+}
+
 /// Fetches every cache line of `row`.
 #[inline(always)]
 fn prefetch_row<S: Kern, W: WeightElem>(s: S, row: &[W]) {
@@ -642,12 +676,9 @@ fn token_part<S: Kern, W: WeightElem>(
 ) -> FfnStats {
     let mut st = FfnStats::default();
     let mut downs = Downs::new();
-    let ahead = ahead_of(w);
-    for j in 1..ahead {
-        prefetch_at(s, w, ids, j, threshold);
-    }
+    let fetch = Prefetches::start(s, w, ids, threshold);
     for k in 0..ids.len() {
-        prefetch_at(s, w, ids, k + ahead, threshold);
+        fetch.before(s, k);
         let [gate, up, down] = rows_of(w, ids.get(k));
         let v = act.apply(ops.dot(gate, x));
         st.rows += 1;
@@ -732,12 +763,9 @@ fn ffn_part<S: Kern, W: WeightElem>(
     let mut st = FfnStats::default();
     let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
     let mut a = vec![0.0f32; n];
-    let ahead = ahead_of(w);
-    for j in 1..ahead {
-        prefetch_at(s, w, ids, j, threshold);
-    }
+    let fetch = Prefetches::start(s, w, ids, threshold);
     for k in 0..ids.len() {
-        prefetch_at(s, w, ids, k + ahead, threshold);
+        fetch.before(s, k);
         let rows = rows_of(w, ids.get(k));
         // A chunk of tokens: each row dequantised once into a buffer (f32)
         // that serves every token.

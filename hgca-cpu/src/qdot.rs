@@ -383,8 +383,8 @@ pub(crate) mod x86 {
             let ahead = row.as_ptr().cast::<u8>().wrapping_add(PREFETCH_BYTES);
             let mut line = 0;
             while line < row_bytes && ahead.wrapping_add(line) < end {
-                // SAFETY: a prefetch has no side effect and no fault.
-                unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast()) };
+                // A prefetch has no side effect and does not fault.
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line).cast());
                 line += 64;
             }
             for (t, y) in o.iter_mut().enumerate() {
