@@ -592,8 +592,13 @@ pub(crate) mod x86 {
     }
 }
 
-/// Output rows per unit of work of [`CpuBackend::qmatvec`].
+/// Output rows per unit of work of [`CpuBackend::qmatvec`], at least.
 const ROWS_PER_TASK: usize = 64;
+/// Units of work per thread of [`CpuBackend::qmatvec`], at most: enough
+/// to even out the threads, few enough that handing them out costs little
+/// (an LM head of 262,144 rows was 4096 units of 64, each a lock and an
+/// allocation's slot on an executor).
+const TASKS_PER_THREAD: usize = 16;
 
 /// The kernel [`CpuBackend::qmatvec`] runs on an ISA
 /// ([`CpuBackend::qmatvec_path`]).
@@ -751,14 +756,13 @@ impl CpuBackend {
                 }
             }
         };
+        let per_task = ROWS_PER_TASK.max(rows.div_ceil(self.threads() * TASKS_PER_THREAD));
         if n == 1 {
-            self.for_chunks(y, ROWS_PER_TASK, |i, out| part(i * ROWS_PER_TASK, out));
+            self.for_chunks(y, per_task, |i, out| part(i * per_task, out));
         } else {
             // [rows, n] in pieces of whole rows, then transposed into y.
             let mut t = vec![0.0f32; rows * n];
-            self.for_chunks(&mut t, ROWS_PER_TASK * n, |i, out| {
-                part(i * ROWS_PER_TASK, out)
-            });
+            self.for_chunks(&mut t, per_task * n, |i, out| part(i * per_task, out));
             for (r, vals) in t.chunks_exact(n).enumerate() {
                 for (tok, &v) in vals.iter().enumerate() {
                     y[tok * rows + r] = v;

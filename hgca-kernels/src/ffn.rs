@@ -173,15 +173,39 @@ fn largest_magnitude(x: &[f32]) -> f32 {
         .fold(0.0f32, |m, v| if v.abs() > m.abs() { v } else { m })
 }
 
+/// `x.round()` (halves away from zero) for `|x| < 2^31`, without the call
+/// to libm's `roundf` that `f32::round` is where SSE4.1 is not a target
+/// feature (x86-64's baseline): quantising a decode step's activations
+/// spent 1.6% of the time in that call. NaN gives 0.
+#[inline(always)]
+fn round_half_away(x: f32) -> f32 {
+    // Truncation toward zero (exact for the |x| this takes), then the
+    // fraction left, itself exact.
+    let t = x as i32 as f32;
+    let f = x - t;
+    if f >= 0.5 {
+        t + 1.0
+    } else if f <= -0.5 {
+        t - 1.0
+    } else {
+        t
+    }
+}
+
 impl BlockQ8_0 {
-    /// Quantises 32 values (round to nearest, scale `max |x| / 127`).
+    /// Quantises 32 values (round to nearest, halves away from zero; scale
+    /// `max |x| / 127`).
     pub fn quantize(x: &[f32; 32]) -> Self {
         let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut qs = [0i8; 32];
+        for (q, &v) in qs.iter_mut().zip(x) {
+            *q = round_half_away(v * inv).clamp(-127.0, 127.0) as i8;
+        }
         Self {
             d: f16::from_f32(d),
-            qs: x.map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
+            qs,
         }
     }
 }
@@ -803,6 +827,38 @@ impl<T: DenseFfnBackend + ?Sized> DenseFfnBackend for &T {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rounding of Q8_0's quantiser is `f32::round`'s: on halves (both
+    /// signs), their neighbours one ulp either side, every code's range
+    /// and values past it, and NaN (0 after the cast, as `round` gives).
+    #[test]
+    fn rounding_is_round_half_away_from_zero() {
+        let mut xs = vec![0.0f32, -0.0, f32::NAN, 1e9, -1e9, 2.0e9, -2.0e9];
+        for i in -300..=300 {
+            let h = i as f32 + 0.5;
+            xs.extend([
+                h,
+                h.next_up(),
+                h.next_down(),
+                i as f32,
+                (i as f32).next_up(),
+            ]);
+            xs.push(i as f32 * 0.37);
+        }
+        xs.extend([
+            0.5f32.next_down(),
+            (-0.5f32).next_up(),
+            8_388_607.5,
+            8_388_609.0,
+        ]);
+        for x in xs {
+            let (got, want) = (round_half_away(x), x.round());
+            assert!(
+                got == want || (x.is_nan() && got == 0.0),
+                "{x:e}: {got} != {want}"
+            );
+        }
+    }
 
     /// Relative RMS error of quantising then dequantising `x` in `W`.
     fn rms_error<W: WeightElem, const N: usize>(x: &[f32], q: fn(&[f32; N]) -> W) -> f64 {

@@ -515,17 +515,54 @@ pub fn log_prob(logits: &[f32], target: usize) -> Option<f64> {
     Some(t - m - s.ln())
 }
 
-/// Index of the largest logit (greedy decoding); `None` when empty.
+/// Index of the largest logit (greedy decoding); `None` when empty. In
+/// `f32::total_cmp`'s order (NaN above +inf, 0 above -0), the last of
+/// equals.
 pub fn argmax(logits: &[f32]) -> Option<usize> {
-    logits
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i)
+    // The order as integers, so that the maximum's pass vectorises (a
+    // vocabulary of 262,144 logits took 1.5% of a decode step as one
+    // comparison at a time), then the last index that holds it.
+    let key = |x: f32| {
+        let b = x.to_bits() as i32;
+        b ^ (((b >> 31) as u32) >> 1) as i32
+    };
+    let m = logits.iter().map(|&x| key(x)).max()?;
+    logits.iter().rposition(|&x| key(x) == m)
 }
 
 #[cfg(test)]
 mod tests {
+    /// `argmax` picks what `max_by(total_cmp)` picks: ties (the last),
+    /// signed zeros, infinities, NaN of either sign, one element, none.
+    #[test]
+    fn argmax_is_total_cmp_max_by() {
+        let by = |x: &[f32]| {
+            x.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .map(|(i, _)| i)
+        };
+        let nan = f32::NAN;
+        let cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![1.0],
+            vec![3.0, 1.0, 3.0, 2.0],
+            vec![-0.0, 0.0, -0.0],
+            vec![0.0, -0.0],
+            vec![-1.0, -5.0, -1.0, -7.0],
+            vec![1.0, f32::INFINITY, 2.0, f32::NEG_INFINITY],
+            vec![1.0, nan, 2.0],
+            vec![1.0, -nan, 2.0],
+            vec![f32::NEG_INFINITY, -nan],
+            (0..1000)
+                .map(|i| ((i * 7919) % 1009) as f32 - 500.0)
+                .collect(),
+        ];
+        for c in cases {
+            assert_eq!(super::argmax(&c), by(&c), "{c:?}");
+        }
+    }
+
     /// The exp form of GELU-tanh against the tanh form in f64, over the
     /// range activations take and past both saturations.
     #[test]
