@@ -81,8 +81,10 @@ impl std::fmt::Debug for Llama {
     }
 }
 
-/// Tokens per unit of work of the gated FFN activation.
-const ACT_TOKENS_PER_TASK: usize = 16;
+/// Units of work per thread of the gated FFN activation, at most.
+const ACT_TASKS_PER_THREAD: usize = 4;
+/// Values of the gated activation per task, at least.
+const ACT_MIN_VALUES: usize = 512;
 
 /// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`),
 /// `x (1 + tanh y) / 2` with `y = sqrt(2/pi) (x + 0.044715 x^3)`, written as
@@ -460,23 +462,36 @@ impl Llama {
                     rec[li].extend(g.iter().map(|&g| FfnAct::Silu.apply(g).abs()));
                 }
             }
-            // The gated activation, tokens shared out over the threads (a
-            // prefill chunk's is millions of exp or tanh).
-            let per_task = ACT_TOKENS_PER_TASK * ff;
-            native_backend().for_chunks(&mut act[..n * ff], per_task, |i, out| {
-                let first = i * ACT_TOKENS_PER_TASK;
-                for (t, a) in out.chunks_exact_mut(ff).enumerate() {
-                    let row = (first + t) * 2 * ff;
-                    let (g, u) = gu[row..row + 2 * ff].split_at(ff);
+            // The gated activation, its values shared out over the threads
+            // (a prefill chunk's is millions of exp; a decode step's, a few
+            // thousand, would otherwise keep the other threads waiting).
+            let total = n * ff;
+            let per_task = total
+                .div_ceil(native_backend().threads() * ACT_TASKS_PER_THREAD)
+                .max(ACT_MIN_VALUES);
+            native_backend().for_chunks(&mut act[..total], per_task, |i, out| {
+                let mut at = i * per_task;
+                let mut rest = out;
+                // Each piece of a token's values in the chunk in turn.
+                while !rest.is_empty() {
+                    let (t, c) = (at / ff, at % ff);
+                    let (seg, tail) = rest.split_at_mut((ff - c).min(rest.len()));
+                    let row = t * 2 * ff + c;
+                    let (g, u) = (
+                        &gu[row..row + seg.len()],
+                        &gu[row + ff..row + ff + seg.len()],
+                    );
                     if gemma {
-                        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                        for ((a, &g), &u) in seg.iter_mut().zip(g).zip(u) {
                             *a = gelu_tanh(g) * u;
                         }
                     } else {
-                        for ((a, &g), &u) in a.iter_mut().zip(g).zip(u) {
+                        for ((a, &g), &u) in seg.iter_mut().zip(g).zip(u) {
                             *a = FfnAct::Silu.apply(g) * u;
                         }
                     }
+                    at += seg.len();
+                    rest = tail;
                 }
             });
             let mut dn = layer.down.forward(&act, n)?;
