@@ -6,7 +6,13 @@
 //! calls of 7 queries, which take the decode kernel query by query (the
 //! path every chunk took before the tiled kernel).
 //!
-//! Ids: `append/{isa}/{dtype}/{path}/depth{n}-t{threads}`. GFLOP/s counts
+//! And the sliding-window form (`dense_append_window`) on Gemma 3's local
+//! layers' shape (4 query heads, 1 KV head, d 256, a 512-token window), f16
+//! KV at depth 4096: `tiled` the 512-query call, `per-query` one query per
+//! call (the path `SlidingAttention` took for every chunk before).
+//!
+//! Ids: `append/{isa}/{dtype}/{path}/depth{n}-t{threads}` and
+//! `append-window/{isa}/f16/{path}/depth4096-t{threads}`. GFLOP/s counts
 //! 4 d FLOPs per (query head, visible token): the scores and the values;
 //! "% of peak" compares it with the f32 FMA probe of the same run on as
 //! many threads (the target: >= 50% on one core).
@@ -73,8 +79,70 @@ fn call<T: KvElem>(
 }
 
 fn flops(shape: &AttnShape, depth: usize) -> f64 {
-    let pairs: usize = (0..CHUNK).map(|i| depth + i + 1).sum();
+    window_flops(shape, depth, usize::MAX)
+}
+
+/// FLOPs of a chunk whose queries see at most `window` tokens each.
+fn window_flops(shape: &AttnShape, depth: usize, window: usize) -> f64 {
+    let pairs: usize = (0..CHUNK).map(|i| (depth + i + 1).min(window)).sum();
     (pairs * shape.q_heads() * shape.head_dim() * 4) as f64
+}
+
+/// Gemma 3's local layers: the chunk over a sliding window.
+fn run_window(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>) {
+    const WINDOW: usize = 512;
+    const DEPTH: usize = 4096;
+    let shape = AttnShape::new(4, 1, 256).expect("shape");
+    let c = case::<f16>(&shape, DEPTH);
+    let kv = KvSlices::new(1, 256, c.tokens, &c.k, &c.v).expect("kv");
+    let ql = shape.q_len();
+    for isa in [IsaKind::V3, IsaKind::V4, IsaKind::Neon] {
+        let Ok(base) = CpuBackend::new().with_isa(isa) else {
+            continue;
+        };
+        for threads in [1usize, 2] {
+            let cpu = base.clone().with_par(par(threads)).expect("pool");
+            for (path, per) in [("tiled", CHUNK), ("per-query", 1)] {
+                let id = format!(
+                    "append-window/{}/f16/{path}/depth{DEPTH}-t{threads}",
+                    isa.name()
+                );
+                let mut best = f64::MAX;
+                let mut g = crit.benchmark_group("append-window");
+                g.sample_size(10);
+                g.bench_function(&id, |b| {
+                    b.iter_custom(|iters| {
+                        let t = Instant::now();
+                        for _ in 0..iters {
+                            let t1 = Instant::now();
+                            let mut i0 = 0;
+                            while i0 < CHUNK {
+                                let n = per.min(CHUNK - i0);
+                                let mut part = Partial::empty(PartialLayout::append(&shape, n));
+                                cpu.dense_append_window(
+                                    &shape,
+                                    &c.q[i0 * ql..(i0 + n) * ql],
+                                    n,
+                                    DEPTH + i0 + 1,
+                                    WINDOW,
+                                    &kv,
+                                    part.as_mut(),
+                                )
+                                .expect("a valid call");
+                                i0 += n;
+                            }
+                            best = best.min(t1.elapsed().as_secs_f64());
+                        }
+                        t.elapsed()
+                    })
+                });
+                g.finish();
+                if best < f64::MAX {
+                    rows.push((id, window_flops(&shape, DEPTH, WINDOW) / best, threads));
+                }
+            }
+        }
+    }
 }
 
 fn run<T: KvElem>(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>, shape: &AttnShape) {
@@ -130,6 +198,7 @@ fn main() {
     run::<f32>(&mut crit, &mut rows, &shape);
     run::<f16>(&mut crit, &mut rows, &shape);
     run::<bf16>(&mut crit, &mut rows, &shape);
+    run_window(&mut crit, &mut rows);
     println!(
         "\nf32 FMA peak probe (this run): {:.1} GFLOP/s on 1 thread, {:.1} on 2",
         peak[0] / 1e9,
