@@ -78,6 +78,27 @@ fn call<T: KvElem>(
     }
 }
 
+/// Benches `call` as `id` in `group` (ten samples); the best single call's
+/// seconds (`f64::MAX` when the command line's filter skipped it).
+fn best_call(crit: &mut Criterion, group: &str, id: &str, mut call: impl FnMut()) -> f64 {
+    let mut best = f64::MAX;
+    let mut g = crit.benchmark_group(group);
+    g.sample_size(10);
+    g.bench_function(id, |b| {
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                let t1 = Instant::now();
+                call();
+                best = best.min(t1.elapsed().as_secs_f64());
+            }
+            t.elapsed()
+        })
+    });
+    g.finish();
+    best
+}
+
 fn flops(shape: &AttnShape, depth: usize) -> f64 {
     window_flops(shape, depth, usize::MAX)
 }
@@ -107,36 +128,24 @@ fn run_window(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>) {
                     "append-window/{}/f16/{path}/depth{DEPTH}-t{threads}",
                     isa.name()
                 );
-                let mut best = f64::MAX;
-                let mut g = crit.benchmark_group("append-window");
-                g.sample_size(10);
-                g.bench_function(&id, |b| {
-                    b.iter_custom(|iters| {
-                        let t = Instant::now();
-                        for _ in 0..iters {
-                            let t1 = Instant::now();
-                            let mut i0 = 0;
-                            while i0 < CHUNK {
-                                let n = per.min(CHUNK - i0);
-                                let mut part = Partial::empty(PartialLayout::append(&shape, n));
-                                cpu.dense_append_window(
-                                    &shape,
-                                    &c.q[i0 * ql..(i0 + n) * ql],
-                                    n,
-                                    DEPTH + i0 + 1,
-                                    WINDOW,
-                                    &kv,
-                                    part.as_mut(),
-                                )
-                                .expect("a valid call");
-                                i0 += n;
-                            }
-                            best = best.min(t1.elapsed().as_secs_f64());
-                        }
-                        t.elapsed()
-                    })
+                let best = best_call(crit, "append-window", &id, || {
+                    let mut i0 = 0;
+                    while i0 < CHUNK {
+                        let n = per.min(CHUNK - i0);
+                        let mut part = Partial::empty(PartialLayout::append(&shape, n));
+                        cpu.dense_append_window(
+                            &shape,
+                            &c.q[i0 * ql..(i0 + n) * ql],
+                            n,
+                            DEPTH + i0 + 1,
+                            WINDOW,
+                            &kv,
+                            part.as_mut(),
+                        )
+                        .expect("a valid call");
+                        i0 += n;
+                    }
                 });
-                g.finish();
                 if best < f64::MAX {
                     rows.push((id, window_flops(&shape, DEPTH, WINDOW) / best, threads));
                 }
@@ -165,21 +174,8 @@ fn run<T: KvElem>(crit: &mut Criterion, rows: &mut Vec<(String, f64, usize)>, sh
                         isa.name()
                     );
                     let mut out = Partial::empty(PartialLayout::append(shape, CHUNK));
-                    let mut best = f64::MAX;
-                    let mut g = crit.benchmark_group("append");
-                    g.sample_size(10);
-                    g.bench_function(&id, |b| {
-                        b.iter_custom(|iters| {
-                            let t = Instant::now();
-                            for _ in 0..iters {
-                                let t1 = Instant::now();
-                                call(&cpu, shape, &c, per, &mut out);
-                                best = best.min(t1.elapsed().as_secs_f64());
-                            }
-                            t.elapsed()
-                        })
-                    });
-                    g.finish();
+                    let best =
+                        best_call(crit, "append", &id, || call(&cpu, shape, &c, per, &mut out));
                     // A bench the command line's filter skipped has no time.
                     if best < f64::MAX {
                         rows.push((id, flops(shape, depth) / best, threads));
