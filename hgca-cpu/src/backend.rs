@@ -361,7 +361,8 @@ impl CpuBackend {
     }
 
     /// Append where query `t` sees tokens `first(t)..visible(t)` (both
-    /// non-decreasing in `t`; `visible(t) <= tokens`).
+    /// non-decreasing in `t`; clamped here to `first(t) <= visible(t) <=
+    /// tokens`, as the kernels take them).
     #[allow(clippy::too_many_arguments)]
     fn dense_append_band<T: SimdElem, K: KvSource<T>>(
         &self,

@@ -65,8 +65,8 @@ struct Tile {
 
 /// The causal append of `n_q` queries (`qs`: `[n_q, q_heads, d]`, already
 /// scaled), query `t` seeing tokens `first(t)..visible(t)` of `kv` (both
-/// non-decreasing functions, `visible` at most `kv.tokens()`; `first` is 0
-/// but for a sliding window), into `out_o`
+/// non-decreasing functions, `first(t) <= visible(t) <= kv.tokens()`;
+/// `first` is 0 but for a sliding window), into `out_o`
 /// (`[n_q, q_heads, d]`, normalised) and `out_lse` (`[n_q, q_heads]`,
 /// natural log). The caller has checked the lengths.
 #[allow(clippy::too_many_arguments)]
@@ -136,7 +136,7 @@ fn tile_task<S: Kern, T: SimdElem, K: KvSource<T>>(
     };
     for r in 0..rows {
         tile.vis[r] = visible(t0 + r / group);
-        tile.first[r] = first(t0 + r / group).min(tile.vis[r]);
+        tile.first[r] = first(t0 + r / group);
     }
     let (lo_vis, hi_vis) = (tile.vis[0], tile.vis[rows - 1]);
     let (lo_first, hi_first) = (tile.first[0], tile.first[rows - 1]);

@@ -85,10 +85,24 @@ struct Chained<'a, T> {
     v: &'a [T],
 }
 
-impl<T: KvElem> Chained<'_, T> {
+impl<'a, T: KvElem> Chained<'a, T> {
+    /// Row `j` of KV head `h`: the ring's (by `ring_row`) or the chunk's
+    /// own (in `own`, `[n, kv_heads, d]`).
     #[inline(always)]
-    fn own(&self, h: usize, j: usize) -> usize {
-        ((j - self.ring_n) * self.ring.kv_heads + h) * self.ring.d
+    fn row(
+        &self,
+        h: usize,
+        j: usize,
+        ring_row: impl Fn(&'a Ring<T>, usize, usize) -> &'a [T],
+        own: &'a [T],
+    ) -> &'a [T] {
+        match j.checked_sub(self.ring_n) {
+            None => ring_row(self.ring, h, self.skip + j),
+            Some(i) => {
+                let d = self.ring.d;
+                &own[(i * self.ring.kv_heads + h) * d..][..d]
+            }
+        }
     }
 }
 
@@ -104,19 +118,11 @@ impl<T: KvElem> KvSource<T> for Chained<'_, T> {
     }
     #[inline(always)]
     fn k_row(&self, h: usize, j: usize) -> &[T] {
-        if j < self.ring_n {
-            self.ring.k_row(h, self.skip + j)
-        } else {
-            &self.k[self.own(h, j)..][..self.ring.d]
-        }
+        self.row(h, j, Ring::k_row, self.k)
     }
     #[inline(always)]
     fn v_row(&self, h: usize, j: usize) -> &[T] {
-        if j < self.ring_n {
-            self.ring.v_row(h, self.skip + j)
-        } else {
-            &self.v[self.own(h, j)..][..self.ring.d]
-        }
+        self.row(h, j, Ring::v_row, self.v)
     }
 }
 
