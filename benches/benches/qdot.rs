@@ -7,13 +7,17 @@
 //! the GGUF stores it). One token; 1 and 2 threads; each kernel path the
 //! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
-//! Ids: `qdot/{path}/{format}/{shape}-t{threads}`. GB/s counts the weight
+//! The 4- and 5-bit formats also run repacked sixteen rows at a time
+//! (`PackedRows`, `qmatvec_packed`) on the AVX-512 VNNI path.
+//!
+//! Ids: `qdot/{path}/{format}/{shape}-t{threads}` (`{path}-packed` for
+//! the repacked rows). GB/s counts the weight
 //! bytes (every block is read once per call); "% of probe" compares it
 //! with the streaming read probe measured in the same run.
 
 use criterion::Criterion;
 use hgca_benches::{Probe, Report, criterion, fill, par};
-use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, Q8Acts, QDotPath};
+use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, PackBlock, PackedRows, Q8Acts, QDotPath};
 use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
 /// Qwen2.5-0.5B's model width (the inner dimension of gate/up and the head).
@@ -77,6 +81,47 @@ fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B
     }
 }
 
+/// The same matrices repacked sixteen rows at a time
+/// (`CpuBackend::qmatvec_packed`), on the AVX-512 VNNI path, the one the
+/// layout is for (skipped with a printed reason where it is absent).
+fn run_packed<B: PackBlock>(
+    crit: &mut Criterion,
+    rep: &Report,
+    shape: &str,
+    ws: &[Vec<B>],
+    rows: usize,
+) {
+    let Some((isa, path)) = paths()
+        .into_iter()
+        .find(|&(_, p)| p == QDotPath::Avx512Vnni)
+    else {
+        eprintln!("qdot: packed rows skipped: no AVX-512 VNNI path on this machine");
+        return;
+    };
+    let k = ws[0].len() / rows * B::VALUES;
+    let packed: Vec<PackedRows<B>> = ws
+        .iter()
+        .map(|w| PackedRows::new(w, rows, k).expect("whole blocks"))
+        .collect();
+    let acts = Q8Acts::quantize(&fill(k, 42), 1, k).expect("a whole block");
+    let mut y = vec![0.0f32; rows];
+    for threads in [1usize, 2] {
+        let cpu = CpuBackend::new()
+            .with_isa(isa)
+            .and_then(|c| c.with_par(par(threads)))
+            .expect("a detected ISA and a pool");
+        let bytes = packed[0].bytes() as u64;
+        let set = packed.len() * packed[0].bytes();
+        let id = format!("qdot/{path:?}-packed/{}/{shape}-t{threads}", B::NAME);
+        let mut m = 0;
+        rep.bench(crit, "qdot", &id, (bytes, set, threads), || {
+            m = (m + 1) % packed.len();
+            cpu.qmatvec_packed(&packed[m], &acts, &mut y)
+                .expect("a valid call");
+        });
+    }
+}
+
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
@@ -89,27 +134,15 @@ fn main() {
         &mats(8, ff, K, BlockQ8_0::quantize),
         ff,
     );
-    run(
-        &mut crit,
-        &rep,
-        "ffn",
-        &mats(8, ff, K, BlockQ5_0::quantize),
-        ff,
-    );
-    run(
-        &mut crit,
-        &rep,
-        "ffn",
-        &mats(8, ff, K, BlockQ4_1::quantize),
-        ff,
-    );
-    run(
-        &mut crit,
-        &rep,
-        "ffn",
-        &mats(8, ff, K, BlockQ4_0::quantize),
-        ff,
-    );
+    let ws = mats(8, ff, K, BlockQ5_0::quantize);
+    run(&mut crit, &rep, "ffn", &ws, ff);
+    run_packed(&mut crit, &rep, "ffn", &ws, ff);
+    let ws = mats(8, ff, K, BlockQ4_1::quantize);
+    run(&mut crit, &rep, "ffn", &ws, ff);
+    run_packed(&mut crit, &rep, "ffn", &ws, ff);
+    let ws = mats(8, ff, K, BlockQ4_0::quantize);
+    run(&mut crit, &rep, "ffn", &ws, ff);
+    run_packed(&mut crit, &rep, "ffn", &ws, ff);
     // Qwen2's down projection (896 x 4864) in the K formats its GGUF uses
     // for it, and in Q5_0 for comparison.
     run(
@@ -126,13 +159,9 @@ fn main() {
         &mats(8, K, FF, BlockQ6K::quantize),
         K,
     );
-    run(
-        &mut crit,
-        &rep,
-        "down",
-        &mats(8, K, FF, BlockQ5_0::quantize),
-        K,
-    );
+    let ws = mats(8, K, FF, BlockQ5_0::quantize);
+    run(&mut crit, &rep, "down", &ws, K);
+    run_packed(&mut crit, &rep, "down", &ws, K);
     let vocab = 151_936;
     run(
         &mut crit,

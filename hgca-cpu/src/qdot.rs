@@ -228,7 +228,7 @@ impl Q8Acts {
 
     /// Token `t`'s blocks, scales and sums.
     #[inline(always)]
-    fn token(&self, t: usize) -> Token<'_> {
+    pub(crate) fn token(&self, t: usize) -> Token<'_> {
         let r = t * self.k / 32..(t + 1) * self.k / 32;
         Token {
             blocks: &self.blocks[r.clone()],
@@ -673,6 +673,12 @@ const ROWS_PER_TASK: usize = 64;
 /// allocation's slot on an executor).
 const TASKS_PER_THREAD: usize = 16;
 
+/// Rows per unit of work of a matrix-vector product of `rows` rows on
+/// `threads` threads.
+pub(crate) fn rows_per_task(rows: usize, threads: usize) -> usize {
+    ROWS_PER_TASK.max(rows.div_ceil(threads * TASKS_PER_THREAD))
+}
+
 /// The kernel [`CpuBackend::qmatvec`] runs on an ISA
 /// ([`CpuBackend::qmatvec_path`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -829,7 +835,7 @@ impl CpuBackend {
                 }
             }
         };
-        let per_task = ROWS_PER_TASK.max(rows.div_ceil(self.threads() * TASKS_PER_THREAD));
+        let per_task = rows_per_task(rows, self.threads());
         if n == 1 {
             self.for_chunks(y, per_task, |i, out| part(i * per_task, out));
         } else {

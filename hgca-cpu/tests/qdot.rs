@@ -4,7 +4,7 @@
 //! tokens, an edge table (with the extreme codes -128 and 127), and typed
 //! errors for bad input.
 
-use hgca_cpu::{CpuBackend, DotBlock, DotKind, Par, Q8Acts};
+use hgca_cpu::{CpuBackend, DotBlock, DotKind, PackBlock, PackedRows, Par, Q8Acts};
 use hgca_kernels::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, WeightElem, f16,
 };
@@ -140,21 +140,65 @@ fn check<B: DotBlock>(
     let mut y = vec![f32::NAN; n * rows];
     cpu.qmatvec(w, rows, &acts, &mut y)
         .map_err(|e| e.to_string())?;
-    let (want, mag) = reference(w, rows, &acts);
+    compare(w, rows, &acts, &y, "qmatvec")?;
+    if let Some(packed) = packed(cpu, w, rows, &acts) {
+        compare(w, rows, &acts, &packed?, "qmatvec_packed")?;
+    }
+    Ok(())
+}
+
+/// The nibble formats through [`PackedRows`] and `qmatvec_packed` (`None`
+/// for the other formats).
+fn packed<B: DotBlock>(
+    cpu: &CpuBackend,
+    w: &[B],
+    rows: usize,
+    acts: &Q8Acts,
+) -> Option<Result<Vec<f32>, String>> {
+    fn run<P: PackBlock>(
+        cpu: &CpuBackend,
+        w: &[P],
+        rows: usize,
+        acts: &Q8Acts,
+    ) -> Result<Vec<f32>, String> {
+        let p = PackedRows::new(w, rows, acts.width()).map_err(|e| e.to_string())?;
+        let mut y = vec![f32::NAN; acts.tokens() * rows];
+        cpu.qmatvec_packed(&p, acts, &mut y)
+            .map_err(|e| e.to_string())?;
+        Ok(y)
+    }
+    Some(match B::KIND {
+        DotKind::Q4_0 => run::<BlockQ4_0>(cpu, bytemuck::cast_slice(w), rows, acts),
+        DotKind::Q4_1 => run::<BlockQ4_1>(cpu, bytemuck::cast_slice(w), rows, acts),
+        DotKind::Q5_0 => run::<BlockQ5_0>(cpu, bytemuck::cast_slice(w), rows, acts),
+        _ => return None,
+    })
+}
+
+/// `y` (from `what`) against the reference.
+fn compare<B: DotBlock>(
+    w: &[B],
+    rows: usize,
+    acts: &Q8Acts,
+    y: &[f32],
+    what: &str,
+) -> Result<(), String> {
+    let (n, k) = (acts.tokens(), acts.width());
+    let (want, mag) = reference(w, rows, acts);
     // Per block a rounded scale product and a fused add, and for Q4_1 a
     // second fused add of its minimum's term: at most 2 (blocks + 2)
     // roundings of f32, relative to the magnitudes of the terms added
     // (Q4_1's `d q x` and `m x` may each exceed `|w x|`: |d q x| <= |w x| +
     // |m x|, so the terms are bounded by mag + 2 Σ|m x|).
     let tol = 2.0 * (k / 32 + 2) as f64 * f64::from(f32::EPSILON);
-    let mins = min_magnitudes(w, rows, &acts);
+    let mins = min_magnitudes(w, rows, acts);
     for (i, ((&g, &e), &m)) in y.iter().zip(&want).zip(&mag).enumerate() {
         let bound = tol * (m + 2.0 * mins[i]) + 1e-30;
         // NaN (an output left unwritten) fails too.
         let err = (f64::from(g) - e).abs();
         if err.is_nan() || err > bound {
             return Err(format!(
-                "{}: rows {rows} k {k} n {n}: y[{}, {}] = {g}, reference {e} (magnitude {m})",
+                "{what} {}: rows {rows} k {k} n {n}: y[{}, {}] = {g}, reference {e} (magnitude {m})",
                 B::NAME,
                 i / rows,
                 i % rows
@@ -334,6 +378,43 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     let mut z = [f32::NAN; 6];
     cpu.qmatvec::<BlockQ8_0>(&[], 3, &empty, &mut z).unwrap();
     assert_eq!(z, [0.0; 6]);
+}
+
+#[test]
+fn packed_rows_reject_bad_input_with_typed_errors() {
+    let w = vec![BlockQ5_0::quantize(&[1.0; 32]); 6];
+    // 6 blocks are 3 rows of 64 values, not 2 or 4; 48 is no whole block.
+    for (rows, k) in [(2, 64), (4, 64)] {
+        let r = PackedRows::new(&w, rows, k);
+        assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    }
+    let r = PackedRows::new(&w, 4, 48);
+    assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
+    let p = PackedRows::new(&w, 3, 64).unwrap();
+    assert_eq!((p.rows(), p.width()), (3, 64));
+    let cpu = CpuBackend::new();
+    let mut y = [f32::NAN; 4];
+    let narrow = Q8Acts::quantize(&[1.0; 32], 1, 32).unwrap();
+    let r = cpu.qmatvec_packed(&p, &narrow, &mut y[..3]);
+    assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
+    let acts = Q8Acts::quantize(&[1.0; 64], 1, 64).unwrap();
+    for len in [2, 4] {
+        let r = cpu.qmatvec_packed(&p, &acts, &mut y[..len]);
+        assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    }
+    assert!(y.iter().all(|v| v.is_nan()));
+    // Row r of the 16-row group holds r's blocks, whatever its neighbours.
+    let rows: Vec<BlockQ5_0> = (0..17)
+        .flat_map(|r| [BlockQ5_0::quantize(&[r as f32 - 8.0; 32]); 2])
+        .collect();
+    let p = PackedRows::new(&rows, 17, 64).unwrap();
+    // 127 quantises exactly (scale 1, code 127), as r - 8 does in Q5_0.
+    let exact = Q8Acts::quantize(&[127.0; 64], 1, 64).unwrap();
+    let mut y = [0.0f32; 17];
+    cpu.qmatvec_packed(&p, &exact, &mut y).unwrap();
+    for (r, &v) in y.iter().enumerate() {
+        assert_eq!(v, 64.0 * 127.0 * (r as f32 - 8.0), "row {r}");
+    }
 }
 
 /// The kernel `qmatvec` runs on each ISA the library detects follows

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use hgca_cpu::Q8Acts;
+use hgca_cpu::{PackedRows, Q8Acts};
 use hgca_kernels::{AttnShape, BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
 #[cfg(doc)]
@@ -37,7 +37,9 @@ pub enum WeightFormat {
     /// re-quantised to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
     /// weights. Where hgca's kernel has no SIMD path (it has AVX2 and
     /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
-    /// with `Auto`.
+    /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1 and Q5_0 are
+    /// repacked at load sixteen rows at a time ([`hgca_cpu::PackedRows`],
+    /// the same bytes).
     Native,
 }
 
@@ -71,6 +73,11 @@ enum HgcaRows {
     Q8_0(Vec<BlockQ8_0>),
     Q4K(Vec<BlockQ4K>),
     Q6K(Vec<BlockQ6K>),
+    /// The 4- and 5-bit formats repacked sixteen rows at a time, where
+    /// hgca's kernel takes its AVX-512 VNNI path (the layout is for it).
+    PackedQ4_0(PackedRows<BlockQ4_0>),
+    PackedQ4_1(PackedRows<BlockQ4_1>),
+    PackedQ5_0(PackedRows<BlockQ5_0>),
 }
 
 /// One stacked part of a [`WeightFormat::Native`] layer (`rows` outputs).
@@ -129,9 +136,20 @@ fn pod_vec<B: bytemuck::Pod>(b: &[u8]) -> Vec<B> {
 
 impl NativePart {
     fn new(p: QTensor) -> Result<Self> {
-        let rows = p.shape().dims()[0];
+        let (rows, k) = (p.shape().dims()[0], p.shape().dims()[1]);
+        let path = hgca_cpu::CpuBackend::qmatvec_path(native_backend().isa());
+        let pack = path == hgca_cpu::QDotPath::Avx512Vnni;
         let blocks = |dtype: GgmlDType, b: &[u8]| -> Result<HgcaRows> {
             Ok(match dtype {
+                GgmlDType::Q4_0 if pack => {
+                    HgcaRows::PackedQ4_0(PackedRows::new(&pod_vec::<BlockQ4_0>(b), rows, k)?)
+                }
+                GgmlDType::Q4_1 if pack => {
+                    HgcaRows::PackedQ4_1(PackedRows::new(&pod_vec::<BlockQ4_1>(b), rows, k)?)
+                }
+                GgmlDType::Q5_0 if pack => {
+                    HgcaRows::PackedQ5_0(PackedRows::new(&pod_vec::<BlockQ5_0>(b), rows, k)?)
+                }
                 GgmlDType::Q4_0 => HgcaRows::Q4_0(pod_vec(b)),
                 GgmlDType::Q4_1 => HgcaRows::Q4_1(pod_vec(b)),
                 GgmlDType::Q5_0 => HgcaRows::Q5_0(pod_vec(b)),
@@ -142,8 +160,7 @@ impl NativePart {
         };
         // hgca's kernel where it has an x86 SIMD path; elsewhere (aarch64:
         // no NEON path yet) candle's kernels, as `Auto` would use them.
-        let hgca = hgca_cpu::CpuBackend::qmatvec_path(native_backend().isa())
-            != hgca_cpu::QDotPath::Portable;
+        let hgca = path != hgca_cpu::QDotPath::Portable;
         Ok(match p.dtype() {
             GgmlDType::Q4_0
             | GgmlDType::Q4_1
@@ -193,6 +210,9 @@ impl NativePart {
             NativePart::Hgca(HgcaRows::Q8_0(w), _) => cpu.qmatvec(w, rows, acts, y)?,
             NativePart::Hgca(HgcaRows::Q4K(w), _) => cpu.qmatvec(w, rows, acts, y)?,
             NativePart::Hgca(HgcaRows::Q6K(w), _) => cpu.qmatvec(w, rows, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ4_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ4_1(w), _) => cpu.qmatvec_packed(w, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ5_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Candle(q, _) => {
                 let t = Tensor::from_slice(x, (n, acts.width()), &Device::Cpu)?;
                 let out = q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?;
@@ -483,7 +503,8 @@ mod tests {
     }
 
     /// A layer stacked from parts in every kind of handling (hgca's kernel
-    /// for Q5_0, Q4_1, Q8_0, Q4_K and Q6_K, candle's for Q5_K, re-quantised
+    /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, the first three repacked
+    /// where the AVX-512 VNNI path runs, candle's for Q5_K, re-quantised
     /// for F16)
     /// gives each part's outputs in its own columns, for one token and
     /// several (below the prefill switch): checked against the f32 copy,
@@ -500,6 +521,7 @@ mod tests {
             GgmlDType::Q4_1,
             GgmlDType::Q6K,
             GgmlDType::Q5K,
+            GgmlDType::Q4_0,
         ];
         let parts: Vec<QTensor> = kinds
             .iter()
