@@ -7,7 +7,7 @@
 //! the GGUF stores it). One token; 1 and 2 threads; each kernel path the
 //! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
-//! The 4- and 5-bit formats also run repacked sixteen rows at a time
+//! The 32-value formats also run repacked sixteen rows at a time
 //! (`PackedRows`, `qmatvec_packed`) on the AVX-512 VNNI path.
 //!
 //! Ids: `qdot/{path}/{format}/{shape}-t{threads}` (`{path}-packed` for
@@ -127,13 +127,9 @@ fn main() {
     let rep = Report::default();
     let mut crit = criterion(300, 1000);
     let ff = 2 * 4864;
-    run(
-        &mut crit,
-        &rep,
-        "ffn",
-        &mats(8, ff, K, BlockQ8_0::quantize),
-        ff,
-    );
+    let ws = mats(8, ff, K, BlockQ8_0::quantize);
+    run(&mut crit, &rep, "ffn", &ws, ff);
+    run_packed(&mut crit, &rep, "ffn", &ws, ff);
     let ws = mats(8, ff, K, BlockQ5_0::quantize);
     run(&mut crit, &rep, "ffn", &ws, ff);
     run_packed(&mut crit, &rep, "ffn", &ws, ff);
@@ -163,13 +159,9 @@ fn main() {
     run(&mut crit, &rep, "down", &ws, K);
     run_packed(&mut crit, &rep, "down", &ws, K);
     let vocab = 151_936;
-    run(
-        &mut crit,
-        &rep,
-        "head",
-        &mats(1, vocab, K, BlockQ8_0::quantize),
-        vocab,
-    );
+    let ws = mats(1, vocab, K, BlockQ8_0::quantize);
+    run(&mut crit, &rep, "head", &ws, vocab);
+    run_packed(&mut crit, &rep, "head", &ws, vocab);
     rep.print(&probe, |_| None);
     crit.final_summary();
 }

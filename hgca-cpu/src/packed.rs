@@ -1,5 +1,5 @@
-//! GGUF's 4- and 5-bit rows (Q4_0, Q4_1, Q5_0) repacked sixteen rows at a
-//! time for the decode matrix-vector product on AVX-512 VNNI.
+//! GGUF's 32-value rows (Q4_0, Q4_1, Q5_0, Q8_0) repacked sixteen rows at
+//! a time for the decode matrix-vector product on AVX-512 VNNI.
 //!
 //! In GGUF's layout a block's 32 codes, its scale and its fifth bits are
 //! one row's; the kernel of [`CpuBackend::qmatvec`] works a row at a time
@@ -23,9 +23,11 @@
 //! of code `4 c + j` of row `r` (the codes in the order of the registers
 //! the nibbles unpack to: low half of part `p` is register `2 p`, high
 //! half register `2 p + 1`); then sixteen f16 scales, and for Q4_1 sixteen
-//! f16 minimums. A row group's block columns follow one another.
+//! f16 minimums. Q8_0's column is eight registers of codes (register `c`
+//! byte `4 r + j` code `4 c + j` of row `r`) and the scales. A row group's
+//! block columns follow one another.
 
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, Error, Result, check_len_of, f16};
+use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, Result, check_len_of, f16};
 
 use crate::CpuBackend;
 use crate::qdot::{DotBlock, DotKind, Q8Acts, QDotPath, Token, parts};
@@ -38,10 +40,11 @@ mod sealed {
     impl Sealed for hgca_kernels::BlockQ4_0 {}
     impl Sealed for hgca_kernels::BlockQ4_1 {}
     impl Sealed for hgca_kernels::BlockQ5_0 {}
+    impl Sealed for hgca_kernels::BlockQ8_0 {}
 }
 
-/// A 32-value GGUF format with 4-bit codes (and Q5_0's fifth bit) that
-/// [`PackedRows`] repacks.
+/// A 32-value GGUF format that [`PackedRows`] repacks: 4-bit codes (and
+/// Q5_0's fifth bit), or Q8_0's bytes.
 pub trait PackBlock: DotBlock + sealed::Sealed {
     /// Bytes of one block column of a row group.
     const COLUMN_BYTES: usize;
@@ -56,21 +59,25 @@ impl PackBlock for BlockQ4_1 {
 impl PackBlock for BlockQ5_0 {
     const COLUMN_BYTES: usize = 256 + 64 + 2 * GROUP;
 }
+impl PackBlock for BlockQ8_0 {
+    const COLUMN_BYTES: usize = 512 + 2 * GROUP;
+}
 
 /// Offsets within a block column: the fifth bits' masks (Q5_0), the
 /// scales, the minimums (Q4_1).
 const fn offsets(kind: DotKind) -> (usize, usize, usize) {
     let qh = 256;
-    let d = if matches!(kind, DotKind::Q5_0) {
-        qh + 64
-    } else {
-        qh
+    let d = match kind {
+        DotKind::Q5_0 => qh + 64,
+        DotKind::Q8_0 => 512,
+        _ => qh,
     };
     (qh, d, d + 2 * GROUP)
 }
 
-/// The unsigned code a block stores for value `i` (Q4_0 and Q4_1: 0..16;
-/// Q5_0: 0..32), its scale and its minimum's f16 (zero but for Q4_1).
+/// The code a block stores for value `i` (Q4_0 and Q4_1: 0..16; Q5_0:
+/// 0..32; Q8_0: its signed byte), its scale and its minimum's f16 (zero
+/// but for Q4_1).
 fn codes<B: PackBlock>(b: &B) -> ([u8; 32], f16, f16) {
     let (q, _, _) = parts(b);
     let off: i8 = match B::KIND {
@@ -85,6 +92,7 @@ fn codes<B: PackBlock>(b: &B) -> ([u8; 32], f16, f16) {
             (u, b.d, b.m)
         }
         DotKind::Q4_0 => (u, bytemuck::cast_ref::<B, BlockQ4_0>(b).d, f16::ZERO),
+        DotKind::Q8_0 => (u, bytemuck::cast_ref::<B, BlockQ8_0>(b).d, f16::ZERO),
         _ => (u, bytemuck::cast_ref::<B, BlockQ5_0>(b).d, f16::ZERO),
     }
 }
@@ -154,9 +162,14 @@ impl<B: PackBlock> PackedRows<B> {
                 for r in 0..GROUP.min(rows - g * GROUP) {
                     let (u, d, m) = codes(&w[(g * GROUP + r) * nb + b]);
                     for (i, &c) in u.iter().enumerate() {
+                        let (reg, j) = (i / 4, i % 4);
+                        if B::KIND == DotKind::Q8_0 {
+                            // Register `i / 4`, lane r, byte i % 4.
+                            col[64 * reg + 4 * r + j] = c;
+                            continue;
+                        }
                         // Register `i / 4` (part `i / 8`, its high half
                         // for odd registers), lane r, byte i % 4.
-                        let (reg, j) = (i / 4, i % 4);
                         let byte = 64 * (reg / 2) + 4 * r + j;
                         col[byte] |= (c & 0x0F) << (4 * (reg % 2));
                         if B::KIND == DotKind::Q5_0 && c & 0x10 != 0 {
@@ -200,16 +213,19 @@ impl<B: PackBlock> PackedRows<B> {
     }
 }
 
-/// Row `r`'s code `i` of a block column, its scale and minimum.
-fn column_code<B: PackBlock>(col: &[u8], r: usize, i: usize) -> u8 {
+/// Row `r`'s code `i` of a block column.
+fn column_code<B: PackBlock>(col: &[u8], r: usize, i: usize) -> i32 {
     let (qh_at, _, _) = offsets(B::KIND);
     let (reg, j) = (i / 4, i % 4);
+    if B::KIND == DotKind::Q8_0 {
+        return i32::from(col[64 * reg + 4 * r + j] as i8);
+    }
     let mut c = (col[64 * (reg / 2) + 4 * r + j] >> (4 * (reg % 2))) & 0x0F;
     if B::KIND == DotKind::Q5_0 {
         let bit = 4 * r + j;
         c |= ((col[qh_at + 8 * reg + bit / 8] >> (bit % 8)) & 1) << 4;
     }
-    c
+    i32::from(c)
 }
 
 fn column_f16(col: &[u8], at: usize, r: usize) -> f32 {
@@ -218,11 +234,12 @@ fn column_f16(col: &[u8], at: usize, r: usize) -> f32 {
 
 /// The factor of a block column's offset sum (`Σ_b d u_b`, or `Σ_b m
 /// u_b` for Q4_1): the codes are unsigned, the values `d (c - 8)`,
-/// `d (c - 16)` or `d c + m`.
+/// `d (c - 16)` or `d c + m` (Q8_0's are signed, `d c`: no offset).
 const fn offset_factor(kind: DotKind) -> f32 {
     match kind {
         DotKind::Q4_0 => -8.0,
         DotKind::Q5_0 => -16.0,
+        DotKind::Q8_0 => 0.0,
         _ => 1.0,
     }
 }
@@ -235,7 +252,7 @@ fn group_scalar<B: PackBlock>(group: &[u8], x: Token<'_>, out: &mut [f32]) {
         let (mut acc, mut off) = (0.0f32, 0.0f32);
         for (b, col) in group.chunks_exact(B::COLUMN_BYTES).enumerate() {
             let dot: i32 = (0..32)
-                .map(|i| i32::from(column_code::<B>(col, r, i)) * i32::from(x.blocks[b].qs[i]))
+                .map(|i| column_code::<B>(col, r, i) * i32::from(x.blocks[b].qs[i]))
                 .sum();
             let d = column_f16(col, d_at, r);
             acc = (d * x.scales[b]).mul_add(dot as f32, acc);
@@ -266,7 +283,25 @@ mod x86 {
             let p = col.as_ptr();
             let xq: [i32; 8] = bytemuck::cast(x.blocks[b].qs);
             let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            for part in 0..4 {
+            if B::KIND == DotKind::Q8_0 {
+                // Signed codes: their magnitudes (128 for -128, as an
+                // unsigned byte) times the activation codes negated where
+                // the weight's is negative (activation codes are within
+                // ±127).
+                let zero = _mm512_setzero_si512();
+                for (reg, &xr) in xq.iter().enumerate() {
+                    // SAFETY: a Q8_0 block column holds 512 bytes of codes.
+                    let v = unsafe { _mm512_loadu_si512(p.add(64 * reg).cast()) };
+                    let xs = _mm512_set1_epi32(xr);
+                    let xs = _mm512_mask_sub_epi8(xs, _mm512_movepi8_mask(v), zero, xs);
+                    if reg % 2 == 0 {
+                        s0 = _mm512_dpbusd_epi32(s0, _mm512_abs_epi8(v), xs);
+                    } else {
+                        s1 = _mm512_dpbusd_epi32(s1, _mm512_abs_epi8(v), xs);
+                    }
+                }
+            }
+            for part in 0..4 * usize::from(B::KIND != DotKind::Q8_0) {
                 // SAFETY: a block column holds 256 bytes of nibbles, and
                 // for Q5_0 eight masks of 8 bytes from `qh_at`.
                 let v = unsafe { _mm512_loadu_si512(p.add(64 * part).cast()) };
@@ -293,7 +328,9 @@ mod x86 {
             } else {
                 d
             };
-            off = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sums[b]), off);
+            if B::KIND != DotKind::Q8_0 {
+                off = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sums[b]), off);
+            }
         }
         _mm512_fmadd_ps(_mm512_set1_ps(offset_factor(B::KIND)), off, acc)
     }

@@ -147,7 +147,7 @@ fn check<B: DotBlock>(
     Ok(())
 }
 
-/// The nibble formats through [`PackedRows`] and `qmatvec_packed` (`None`
+/// The 32-value formats through [`PackedRows`] and `qmatvec_packed` (`None`
 /// for the other formats).
 fn packed<B: DotBlock>(
     cpu: &CpuBackend,
@@ -171,6 +171,7 @@ fn packed<B: DotBlock>(
         DotKind::Q4_0 => run::<BlockQ4_0>(cpu, bytemuck::cast_slice(w), rows, acts),
         DotKind::Q4_1 => run::<BlockQ4_1>(cpu, bytemuck::cast_slice(w), rows, acts),
         DotKind::Q5_0 => run::<BlockQ5_0>(cpu, bytemuck::cast_slice(w), rows, acts),
+        DotKind::Q8_0 => run::<BlockQ8_0>(cpu, bytemuck::cast_slice(w), rows, acts),
         _ => return None,
     })
 }

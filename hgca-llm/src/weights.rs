@@ -37,7 +37,7 @@ pub enum WeightFormat {
     /// re-quantised to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
     /// weights. Where hgca's kernel has no SIMD path (it has AVX2 and
     /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
-    /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1 and Q5_0 are
+    /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1, Q5_0 and Q8_0 are
     /// repacked at load sixteen rows at a time ([`hgca_cpu::PackedRows`],
     /// the same bytes).
     Native,
@@ -73,11 +73,12 @@ enum HgcaRows {
     Q8_0(Vec<BlockQ8_0>),
     Q4K(Vec<BlockQ4K>),
     Q6K(Vec<BlockQ6K>),
-    /// The 4- and 5-bit formats repacked sixteen rows at a time, where
+    /// The 32-value formats repacked sixteen rows at a time, where
     /// hgca's kernel takes its AVX-512 VNNI path (the layout is for it).
     PackedQ4_0(PackedRows<BlockQ4_0>),
     PackedQ4_1(PackedRows<BlockQ4_1>),
     PackedQ5_0(PackedRows<BlockQ5_0>),
+    PackedQ8_0(PackedRows<BlockQ8_0>),
 }
 
 /// One stacked part of a [`WeightFormat::Native`] layer (`rows` outputs).
@@ -150,6 +151,9 @@ impl NativePart {
                 GgmlDType::Q5_0 if pack => {
                     HgcaRows::PackedQ5_0(PackedRows::new(&pod_vec::<BlockQ5_0>(b), rows, k)?)
                 }
+                GgmlDType::Q8_0 if pack => {
+                    HgcaRows::PackedQ8_0(PackedRows::new(&pod_vec::<BlockQ8_0>(b), rows, k)?)
+                }
                 GgmlDType::Q4_0 => HgcaRows::Q4_0(pod_vec(b)),
                 GgmlDType::Q4_1 => HgcaRows::Q4_1(pod_vec(b)),
                 GgmlDType::Q5_0 => HgcaRows::Q5_0(pod_vec(b)),
@@ -213,6 +217,7 @@ impl NativePart {
             NativePart::Hgca(HgcaRows::PackedQ4_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Hgca(HgcaRows::PackedQ4_1(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Hgca(HgcaRows::PackedQ5_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ8_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Candle(q, _) => {
                 let t = Tensor::from_slice(x, (n, acts.width()), &Device::Cpu)?;
                 let out = q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?;
@@ -503,7 +508,7 @@ mod tests {
     }
 
     /// A layer stacked from parts in every kind of handling (hgca's kernel
-    /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, the first three repacked
+    /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, the first four repacked
     /// where the AVX-512 VNNI path runs, candle's for Q5_K, re-quantised
     /// for F16)
     /// gives each part's outputs in its own columns, for one token and
