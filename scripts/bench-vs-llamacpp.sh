@@ -5,7 +5,13 @@
 # the next context), so a slow or noisy spell of the machine hits all three.
 #
 #   bash scripts/bench-vs-llamacpp.sh [--model smollm2|qwen2|gemma3] [--contexts 2048,8192]
-#        [--threads N] [--decode N] [--reps N] [--weights auto|native|...] [--build-only]
+#        [--threads N] [--decode N] [--reps N] [--rounds N] [--weights auto|native|...]
+#        [--build-only]
+#
+# --rounds N repeats the whole alternation N times (a row per round) and
+# adds a row of the medians of each column and of the rounds' ratios: on a
+# shared virtual machine one spell of noise moves a single round's ratio by
+# tens of percent.
 #
 # llama.cpp is built once from the llama-cpp-python 0.3.36 sdist (it vendors
 # llama.cpp) with cmake and ninja from PyPI, into target/llamacpp (git-ignored).
@@ -24,6 +30,7 @@ contexts=""
 threads="$(nproc)"
 decode=32
 reps=1
+rounds=1
 weights=""
 build_only=0
 while [[ $# -gt 0 ]]; do
@@ -33,6 +40,7 @@ while [[ $# -gt 0 ]]; do
         --threads) threads="$2"; shift 2 ;;
         --decode) decode="$2"; shift 2 ;;
         --reps) reps="$2"; shift 2 ;;
+        --rounds) rounds="$2"; shift 2 ;;
         --weights) weights="$2"; shift 2 ;;
         --build-only) build_only=1; shift ;;
         *) echo "unknown argument: $1" >&2; exit 2 ;;
@@ -97,31 +105,48 @@ hg_run() { # args: context attn
 hg_ttft() { sed -n 's/^time to first token: \([0-9.]*\)s.*/\1/p'; }
 hg_dec() { sed -n 's/^decode: .* = \([0-9.]*\) tok\/s.*/\1/p'; }
 
-rows=()
+raw="$(mktemp)"
 IFS=, read -r -a ctxs <<<"$contexts"
+for round in $(seq 1 "$rounds"); do
 for c in "${ctxs[@]}"; do
-    echo "context $c: llama.cpp decode ..." >&2
+    echo "context $c, round $round: llama.cpp decode ..." >&2
     ll_dec="$(ll_rate -p 0 -n "$decode" -d "$c")"
-    echo "context $c: llama.cpp prompt ..." >&2
+    echo "context $c, round $round: llama.cpp prompt ..." >&2
     ll_pp="$(ll_rate -p "$c" -n 0)"
-    echo "context $c: hgca-llm full ..." >&2
+    echo "context $c, round $round: hgca-llm full ..." >&2
     full="$(hg_run "$c" full)"
-    echo "context $c: hgca-llm hybrid ..." >&2
+    echo "context $c, round $round: hgca-llm hybrid ..." >&2
     hyb="$(hg_run "$c" hybrid)"
     ll_ttft="$(python3 -c "print(f'{$c / $ll_pp:.2f}')")"
     f_dec="$(hg_dec <<<"$full")"; h_dec="$(hg_dec <<<"$hyb")"
     f_ttft="$(hg_ttft <<<"$full")"; h_ttft="$(hg_ttft <<<"$hyb")"
-    rows+=("$(python3 - "$c" "$ll_dec" "$f_dec" "$h_dec" "$ll_ttft" "$f_ttft" "$h_ttft" <<'PY'
-import sys
-c, ld, fd, hd, lt, ft, ht = sys.argv[1], *map(float, sys.argv[2:])
-print(f"| {c} | {ld:.1f} | {fd:.1f} ({fd/ld:.2f}x) | {hd:.1f} ({hd/ld:.2f}x) "
-      f"| {lt:.2f} | {ft:.2f} ({ft/lt:.2f}x) | {ht:.2f} ({ht/lt:.2f}x) |")
-PY
-)")
+    echo "$c $round $ll_dec $f_dec $h_dec $ll_ttft $f_ttft $h_ttft" >>"$raw"
 done
+done
+table="$(python3 - "$raw" "$rounds" <<'PY'
+import statistics as st, sys
+rounds = int(sys.argv[2])
+runs = {}
+for line in open(sys.argv[1]):
+    c, r, *v = line.split()
+    runs.setdefault(c, []).append((r, list(map(float, v))))
+def row(label, ld, fd, hd, lt, ft, ht, ratios=None):
+    rf, rh, tf, th = ratios or (fd / ld, hd / ld, ft / lt, ht / lt)
+    print(f"| {label} | {ld:.1f} | {fd:.1f} ({rf:.2f}x) | {hd:.1f} ({rh:.2f}x) "
+          f"| {lt:.2f} | {ft:.2f} ({tf:.2f}x) | {ht:.2f} ({th:.2f}x) |")
+for c, rs in runs.items():
+    for r, v in rs:
+        row(c if rounds == 1 else f"{c}, round {r}", *v)
+    if rounds > 1:
+        cols = [st.median(v[i] for _, v in rs) for i in range(6)]
+        ratios = [st.median(v[a] / v[b] for _, v in rs) for a, b in ((1, 0), (2, 0), (4, 3), (5, 3))]
+        row(f"{c}, median of {len(rs)}", *cols, ratios=ratios)
+PY
+)"
+rm -f "$raw"
 echo
-echo "$(basename "$gguf"), $threads threads, KV f16, decode $decode tokens, llama-bench -fa 1 -r $reps;"
+echo "$(basename "$gguf"), $threads threads, KV f16, decode $decode tokens, llama-bench -fa 1 -r $reps, $rounds round(s);"
 echo "hgca-llm speed (weights ${weights:-default}, hybrid: window ratio 0.25, mass:0.93, the default). Ratios: hgca / llama.cpp."
 echo "| context | llama.cpp decode tok/s | hgca full | hgca hybrid | llama.cpp TTFT s | hgca full TTFT s | hgca hybrid TTFT s |"
 echo "|---|---|---|---|---|---|---|"
-printf '%s\n' "${rows[@]}"
+echo "$table"
