@@ -14,6 +14,9 @@
 //! sums one row and a block column ends with one conversion and one fused
 //! multiply-add for all sixteen rows' scales. The bytes are GGUF's (a
 //! sixteen-row block column of Q5_0 is 352 bytes, sixteen blocks of 22).
+//! Several tokens (a prefill chunk) share a block column's unpacked codes
+//! four at a time, and from sixteen tokens the threads share out tokens,
+//! each writing its rows of the output in place.
 //!
 //! Layout of one block column of a row group (`GROUP` rows, the rows past
 //! the matrix's last zero): 256 bytes of nibbles, in four 64-byte parts;
@@ -34,6 +37,10 @@ use crate::qdot::{DotBlock, DotKind, Q8Acts, QDotPath, Token, parts};
 
 /// Rows per group of [`PackedRows`]: one per 32-bit lane of a 512-bit register.
 pub const GROUP: usize = 16;
+
+/// Tokens from which [`CpuBackend::qmatvec_packed`] shares out tokens
+/// (prefill chunks) instead of row groups (decoding).
+const TOKEN_SPLIT: usize = 16;
 
 mod sealed {
     pub trait Sealed {}
@@ -272,71 +279,155 @@ mod x86 {
     use super::*;
     use core::arch::x86_64::*;
 
-    /// One row group against one token: sixteen sums, each lane a row.
+    /// Tokens a row group's unpacked codes serve at a time when there are
+    /// several (prefill chunks): the unpacking is shared, each token adds
+    /// eight `vpdpbusd` and its scales.
+    const TILE: usize = 4;
+
+    /// A block column's codes in eight registers (register `c` lane `r`:
+    /// codes `4 c .. 4 c + 4` of row `r`), unsigned; for Q8_0 their
+    /// magnitudes, with the masks of the negative ones.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) fn group<B: PackBlock>(group: &[u8], x: Token<'_>) -> __m512 {
-        let (qh_at, d_at, m_at) = offsets(B::KIND);
+    #[inline]
+    fn unpack<B: PackBlock>(col: &[u8]) -> ([__m512i; 8], [__mmask64; 8]) {
+        let (qh_at, _, _) = offsets(B::KIND);
+        let p = col.as_ptr();
+        let mut q = [_mm512_setzero_si512(); 8];
+        let mut neg = [0; 8];
+        if B::KIND == DotKind::Q8_0 {
+            for (c, (q, neg)) in q.iter_mut().zip(&mut neg).enumerate() {
+                // SAFETY: a Q8_0 block column holds 512 bytes of codes.
+                let v = unsafe { _mm512_loadu_si512(p.add(64 * c).cast()) };
+                *neg = _mm512_movepi8_mask(v);
+                *q = _mm512_abs_epi8(v);
+            }
+            return (q, neg);
+        }
         let low = _mm512_set1_epi8(0x0F);
-        let sixteen = _mm512_set1_epi8(16);
-        let (mut acc, mut off) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        for part in 0..4 {
+            // SAFETY: a block column holds 256 bytes of nibbles, and for
+            // Q5_0 eight masks of 8 bytes from `qh_at`.
+            let v = unsafe { _mm512_loadu_si512(p.add(64 * part).cast()) };
+            q[2 * part] = _mm512_and_si512(v, low);
+            q[2 * part + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+        }
+        if B::KIND == DotKind::Q5_0 {
+            for (c, q) in q.iter_mut().enumerate() {
+                // SAFETY: as above.
+                let m = unsafe { p.add(qh_at + 8 * c).cast::<u64>().read_unaligned() };
+                *q = _mm512_mask_add_epi8(*q, m, *q, _mm512_set1_epi8(16));
+            }
+        }
+        (q, neg)
+    }
+
+    /// One row group against `T` tokens: per token sixteen sums, each
+    /// lane a row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn group<B: PackBlock, const T: usize>(group: &[u8], x: [Token<'_>; T]) -> [__m512; T] {
+        let (_, d_at, m_at) = offsets(B::KIND);
+        let zero = _mm512_setzero_si512();
+        let mut acc = [_mm512_setzero_ps(); T];
+        let mut off = [_mm512_setzero_ps(); T];
         for (b, col) in group.chunks_exact(B::COLUMN_BYTES).enumerate() {
+            let (q, neg) = unpack::<B>(col);
             let p = col.as_ptr();
-            let xq: [i32; 8] = bytemuck::cast(x.blocks[b].qs);
-            let (mut s0, mut s1) = (_mm512_setzero_si512(), _mm512_setzero_si512());
-            if B::KIND == DotKind::Q8_0 {
-                // Signed codes: their magnitudes (128 for -128, as an
-                // unsigned byte) times the activation codes negated where
-                // the weight's is negative (activation codes are within
-                // ±127).
-                let zero = _mm512_setzero_si512();
-                for (reg, &xr) in xq.iter().enumerate() {
-                    // SAFETY: a Q8_0 block column holds 512 bytes of codes.
-                    let v = unsafe { _mm512_loadu_si512(p.add(64 * reg).cast()) };
-                    let xs = _mm512_set1_epi32(xr);
-                    let xs = _mm512_mask_sub_epi8(xs, _mm512_movepi8_mask(v), zero, xs);
-                    if reg % 2 == 0 {
-                        s0 = _mm512_dpbusd_epi32(s0, _mm512_abs_epi8(v), xs);
-                    } else {
-                        s1 = _mm512_dpbusd_epi32(s1, _mm512_abs_epi8(v), xs);
-                    }
-                }
-            }
-            for part in 0..4 * usize::from(B::KIND != DotKind::Q8_0) {
-                // SAFETY: a block column holds 256 bytes of nibbles, and
-                // for Q5_0 eight masks of 8 bytes from `qh_at`.
-                let v = unsafe { _mm512_loadu_si512(p.add(64 * part).cast()) };
-                let mut lo = _mm512_and_si512(v, low);
-                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
-                if B::KIND == DotKind::Q5_0 {
-                    let mask = |c: usize| -> u64 {
-                        // SAFETY: as above.
-                        unsafe { p.add(qh_at + 8 * c).cast::<u64>().read_unaligned() }
-                    };
-                    lo = _mm512_mask_add_epi8(lo, mask(2 * part), lo, sixteen);
-                    hi = _mm512_mask_add_epi8(hi, mask(2 * part + 1), hi, sixteen);
-                }
-                s0 = _mm512_dpbusd_epi32(s0, lo, _mm512_set1_epi32(xq[2 * part]));
-                s1 = _mm512_dpbusd_epi32(s1, hi, _mm512_set1_epi32(xq[2 * part + 1]));
-            }
             // SAFETY: sixteen f16 scales (and minimums) in the column.
             let d = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.add(d_at).cast())) };
-            let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x.scales[b])), dot, acc);
             let o = if B::KIND == DotKind::Q4_1 {
                 // SAFETY: as above.
                 unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.add(m_at).cast())) }
             } else {
                 d
             };
-            if B::KIND != DotKind::Q8_0 {
-                off = _mm512_fmadd_ps(o, _mm512_set1_ps(x.sums[b]), off);
+            for t in 0..T {
+                let xq: [i32; 8] = bytemuck::cast(x[t].blocks[b].qs);
+                let (mut s0, mut s1) = (zero, zero);
+                for c in 0..8 {
+                    let mut xb = _mm512_set1_epi32(xq[c]);
+                    if B::KIND == DotKind::Q8_0 {
+                        // The activation codes negated where the weight's
+                        // is (they are within ±127).
+                        xb = _mm512_mask_sub_epi8(xb, neg[c], zero, xb);
+                    }
+                    if c % 2 == 0 {
+                        s0 = _mm512_dpbusd_epi32(s0, q[c], xb);
+                    } else {
+                        s1 = _mm512_dpbusd_epi32(s1, q[c], xb);
+                    }
+                }
+                let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let ds = _mm512_mul_ps(d, _mm512_set1_ps(x[t].scales[b]));
+                acc[t] = _mm512_fmadd_ps(ds, dot, acc[t]);
+                if B::KIND != DotKind::Q8_0 {
+                    off[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[t].sums[b]), off[t]);
+                }
             }
         }
-        _mm512_fmadd_ps(_mm512_set1_ps(offset_factor(B::KIND)), off, acc)
+        let f = _mm512_set1_ps(offset_factor(B::KIND));
+        core::array::from_fn(|t| _mm512_fmadd_ps(f, off[t], acc[t]))
     }
 
-    /// Row groups `groups` against every token of `acts` into `out`
-    /// (`[rows, n]` for the groups' rows, `rows` those of the matrix).
+    /// Token `t`'s sums `v` of a row group into `o` (`[rows, n]` for the
+    /// group's rows, as many as it holds).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn store(o: &mut [f32], n: usize, t: usize, v: __m512) {
+        let mut sums = [0.0f32; GROUP];
+        // SAFETY: 16 writable f32.
+        unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), v) };
+        for (r, &s) in sums[..o.len() / n].iter().enumerate() {
+            o[r * n + t] = s;
+        }
+    }
+
+    /// A row group's sums `v` into `o[r0..]`, lanes `live`.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn put(o: &mut [f32], r0: usize, live: __mmask16, v: __m512) {
+        let end = o.len().min(r0 + GROUP);
+        let o = &mut o[r0..end];
+        // SAFETY: `live` masks the lanes past `o`'s end.
+        unsafe { _mm512_mask_storeu_ps(o.as_mut_ptr(), live, v) };
+    }
+
+    /// Every row group against tokens `first..` of `acts` into `out`
+    /// (`[tokens, rows]`, as many tokens as it holds).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub(super) fn tokens<B: PackBlock>(
+        w: &PackedRows<B>,
+        first: usize,
+        acts: &Q8Acts,
+        out: &mut [f32],
+    ) {
+        let rows = w.rows;
+        let tn = out.len() / rows;
+        for g in 0..rows.div_ceil(GROUP) {
+            let data = w.group(g);
+            let r0 = g * GROUP;
+            let live: __mmask16 = if rows - r0 >= GROUP {
+                0xFFFF
+            } else {
+                (1 << (rows - r0)) - 1
+            };
+            let mut t = 0;
+            while t + TILE <= tn {
+                let x = core::array::from_fn(|j| acts.token(first + t + j));
+                for (j, v) in group::<B, TILE>(data, x).into_iter().enumerate() {
+                    put(&mut out[(t + j) * rows..][..rows], r0, live, v);
+                }
+                t += TILE;
+            }
+            for t in t..tn {
+                let v = group::<B, 1>(data, [acts.token(first + t)])[0];
+                put(&mut out[t * rows..][..rows], r0, live, v);
+            }
+        }
+    }
+
+    /// Row groups from `first` against every token of `acts` into `out`
+    /// (`[rows, n]` for the groups' rows).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub(super) fn groups<B: PackBlock>(
         w: &PackedRows<B>,
@@ -355,13 +446,16 @@ mod x86 {
                     _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
                 }
             }
-            for t in 0..n {
-                let mut sums = [0.0f32; GROUP];
-                // SAFETY: 16 writable f32.
-                unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), group::<B>(data, acts.token(t))) };
-                for (r, &s) in sums.iter().take(o.len() / n).enumerate() {
-                    o[r * n + t] = s;
+            let mut t = 0;
+            while t + TILE <= n {
+                let x = core::array::from_fn(|j| acts.token(t + j));
+                for (j, v) in group::<B, TILE>(data, x).into_iter().enumerate() {
+                    store(o, n, t + j, v);
                 }
+                t += TILE;
+            }
+            for t in t..n {
+                store(o, n, t, group::<B, 1>(data, [acts.token(t)])[0]);
             }
         }
     }
@@ -424,6 +518,28 @@ impl CpuBackend {
                 }
             }
         };
+        if n >= TOKEN_SPLIT {
+            // Tasks of whole tokens (contiguous in y), each over every row
+            // group: a group's columns stay in L1 while a task's tokens
+            // pass, four at a time.
+            let per_task = n.div_ceil(2 * self.threads()).next_multiple_of(4);
+            self.for_chunks(y, per_task * rows, |i, out| match path {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                QDotPath::Avx512Vnni => unsafe { x86::tokens(w, i * per_task, acts, out) },
+                _ => {
+                    for g in 0..rows.div_ceil(GROUP) {
+                        let r0 = g * GROUP;
+                        let live = GROUP.min(rows - r0);
+                        for (j, o) in out.chunks_exact_mut(rows).enumerate() {
+                            let x = acts.token(i * per_task + j);
+                            group_scalar::<B>(w.group(g), x, &mut o[r0..r0 + live]);
+                        }
+                    }
+                }
+            });
+            return Ok(());
+        }
         let per_task = crate::qdot::rows_per_task(rows, self.threads()).next_multiple_of(GROUP);
         let groups_per_task = per_task / GROUP;
         if n == 1 {

@@ -223,7 +223,7 @@ fn all_formats(cpu: &CpuBackend, rows: usize, k: usize, n: usize, seed: u64) -> 
 }
 
 /// (rows, k, tokens): one row, one block, rows around the 64-row unit of
-/// work, a long row, several tokens.
+/// work, a long row, several tokens (whole tiles of four and parts).
 const EDGE: &[(usize, usize, usize)] = &[
     (1, 32, 1),
     (3, 64, 2),
@@ -237,6 +237,12 @@ const EDGE: &[(usize, usize, usize)] = &[
     (65, 512, 2),
     (3, 4864, 1),
     (130, 1024, 3),
+    // Token tiles of four and what is left over.
+    (33, 96, 9),
+    (17, 64, 4),
+    // Prefill chunks: tasks of tokens.
+    (19, 64, 16),
+    (40, 160, 37),
 ];
 
 /// Q8_0 weights at the ends of their code range (-128 is a valid code in a
@@ -316,7 +322,7 @@ macro_rules! isa_suite {
                 fn qmatvec_matches_the_reference(
                     rows in 1usize..150,
                     blocks in 1usize..12,
-                    n in 1usize..5,
+                    n in 1usize..24,
                     seed in any::<u64>(),
                 ) {
                     for par in [Par::Seq, Par::Rayon(3)] {

@@ -39,7 +39,9 @@ pub enum WeightFormat {
     /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
     /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1, Q5_0 and Q8_0 are
     /// repacked at load sixteen rows at a time ([`hgca_cpu::PackedRows`],
-    /// the same bytes).
+    /// the same bytes), and prefill chunks multiply them by the same
+    /// integer kernel (activations quantised to Q8_0, as llama.cpp
+    /// multiplies its prompt), the other parts by the f32 copy.
     Native,
 }
 
@@ -203,6 +205,20 @@ impl NativePart {
         }
     }
 
+    /// Whether the part is held repacked ([`PackedRows`]).
+    fn packed(&self) -> bool {
+        matches!(
+            self,
+            NativePart::Hgca(
+                HgcaRows::PackedQ4_0(_)
+                    | HgcaRows::PackedQ4_1(_)
+                    | HgcaRows::PackedQ5_0(_)
+                    | HgcaRows::PackedQ8_0(_),
+                _
+            )
+        )
+    }
+
     /// `[n, rows]` for the `n` tokens of `x` (`acts` is `x` quantised).
     fn forward(&self, x: &[f32], n: usize, acts: &Q8Acts, y: &mut [f32]) -> Result<()> {
         let cpu = native_backend();
@@ -295,6 +311,34 @@ impl Linear {
     /// `x: [n, in]` row-major to `[n, out]`.
     pub(crate) fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
         debug_assert_eq!(x.len(), n * self.in_dim);
+        if let LinearW::Native(parts, dense) = &self.w
+            && n >= AUTO_DENSE_ROWS
+            && parts.iter().any(NativePart::packed)
+        {
+            // A prefill chunk: repacked parts take the integer kernel (its
+            // unpacked codes serve four tokens at a time), the others
+            // their rows of the f32 copy.
+            let acts = Q8Acts::quantize(x, n, self.in_dim)?;
+            let t = Tensor::from_slice(x, (n, self.in_dim), &Device::Cpu)?;
+            let mut y = vec![0.0f32; n * self.out_dim];
+            let mut col = 0;
+            for p in parts {
+                let r = p.rows();
+                let yp = if p.packed() {
+                    let mut yp = vec![0.0f32; n * r];
+                    p.forward(x, n, &acts, &mut yp)?;
+                    yp
+                } else {
+                    let w = dense.narrow(0, col, r)?;
+                    t.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?
+                };
+                for (dst, src) in y.chunks_exact_mut(self.out_dim).zip(yp.chunks_exact(r)) {
+                    dst[col..col + r].copy_from_slice(src);
+                }
+                col += r;
+            }
+            return Ok(y);
+        }
         if let LinearW::Native(parts, _) = &self.w
             && n < AUTO_DENSE_ROWS
         {
@@ -511,9 +555,11 @@ mod tests {
     /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, the first four repacked
     /// where the AVX-512 VNNI path runs, candle's for Q5_K, re-quantised
     /// for F16)
-    /// gives each part's outputs in its own columns, for one token and
-    /// several (below the prefill switch): checked against the f32 copy,
-    /// within what 8-bit activations cost.
+    /// gives each part's outputs in its own columns, for one token,
+    /// several below the prefill switch and a prefill chunk (the repacked
+    /// parts through the integer kernel, the others through the f32
+    /// copy): checked against the f32 copy, within what 8-bit activations
+    /// cost.
     #[test]
     fn native_parts_land_in_their_columns() {
         let k = 256;
@@ -537,7 +583,7 @@ mod tests {
         // The two Q8_0 parts in a row are joined into one.
         assert!(matches!(lin.w, LinearW::Native(ref p, _) if p.len() == kinds.len() - 1));
         let dense = lin.dense_f32().expect("f32 copy");
-        for n in [1, 3, AUTO_DENSE_ROWS - 1] {
+        for n in [1, 3, AUTO_DENSE_ROWS - 1, AUTO_DENSE_ROWS + 5] {
             let x: Vec<f32> = (0..n * k)
                 .map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0)
                 .collect();
