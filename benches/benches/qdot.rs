@@ -10,13 +10,17 @@
 //! The 32-value formats also run repacked sixteen rows at a time
 //! (`PackedRows`, `qmatvec_packed`) on the AVX-512 VNNI path.
 //!
+//! A prefill chunk of 512 tokens through the repacked Q5_0 rows prints
+//! integer GOP/s against the f32 FMA peak probe (the f32 GEMM it replaces
+//! is bounded by that peak).
+//!
 //! Ids: `qdot/{path}/{format}/{shape}-t{threads}` (`{path}-packed` for
 //! the repacked rows). GB/s counts the weight
 //! bytes (every block is read once per call); "% of probe" compares it
 //! with the streaming read probe measured in the same run.
 
 use criterion::Criterion;
-use hgca_benches::{Probe, Report, criterion, fill, par};
+use hgca_benches::{Probe, Report, criterion, fill, fma_peak, par};
 use hgca_cpu::{CpuBackend, DotBlock, Isa, IsaKind, PackBlock, PackedRows, Q8Acts, QDotPath};
 use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0};
 
@@ -122,6 +126,49 @@ fn run_packed<B: PackBlock>(
     }
 }
 
+/// Tokens of the prefill chunk [`prefill`] multiplies.
+const PREFILL: usize = 512;
+
+/// A prefill chunk of [`PREFILL`] tokens through the repacked rows on the
+/// AVX-512 VNNI path: the integer kernel that replaces an f32 GEMM there.
+/// Returns (id, integer operations per call, threads) per run.
+fn prefill<B: PackBlock>(
+    crit: &mut Criterion,
+    rep: &Report,
+    w: &[B],
+    rows: usize,
+) -> Vec<(String, f64, usize)> {
+    let Some((isa, path)) = paths()
+        .into_iter()
+        .find(|&(_, p)| p == QDotPath::Avx512Vnni)
+    else {
+        eprintln!("qdot: packed prefill skipped: no AVX-512 VNNI path on this machine");
+        return Vec::new();
+    };
+    let k = w.len() / rows * B::VALUES;
+    let packed = PackedRows::new(w, rows, k).expect("whole blocks");
+    let acts = Q8Acts::quantize(&fill(PREFILL * k, 7), PREFILL, k).expect("whole blocks");
+    let mut y = vec![0.0f32; PREFILL * rows];
+    let mut out = Vec::new();
+    for threads in [1usize, 2] {
+        let cpu = CpuBackend::new()
+            .with_isa(isa)
+            .and_then(|c| c.with_par(par(threads)))
+            .expect("a detected ISA and a pool");
+        let id = format!(
+            "qdot/{path:?}-packed/{}/ffn-prefill{PREFILL}-t{threads}",
+            B::NAME
+        );
+        let bytes = packed.bytes() as u64;
+        rep.bench(crit, "qdot", &id, (bytes, packed.bytes(), threads), || {
+            cpu.qmatvec_packed(&packed, &acts, &mut y)
+                .expect("a valid call");
+        });
+        out.push((id, 2.0 * (rows * k * PREFILL) as f64, threads));
+    }
+    out
+}
+
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
@@ -162,6 +209,26 @@ fn main() {
     let ws = mats(1, vocab, K, BlockQ8_0::quantize);
     run(&mut crit, &rep, "head", &ws, vocab);
     run_packed(&mut crit, &rep, "head", &ws, vocab);
+    // Its own report: GB/s of weights mean nothing for a compute-bound chunk.
+    let pre = Report::default();
+    let prefill = prefill(&mut crit, &pre, &mats(1, ff, K, BlockQ5_0::quantize)[0], ff);
     rep.print(&probe, |_| None);
+    if !prefill.is_empty() {
+        let peak = [fma_peak(1, 5), fma_peak(2, 5)];
+        println!(
+            "\nprefill ({PREFILL} tokens; GOP/s: a multiply-add counts 2; f32 FMA peak probe {:.1} / {:.1} GFLOP/s on 1 / 2 threads)",
+            peak[0] / 1e9,
+            peak[1] / 1e9
+        );
+        for (id, ops, threads) in prefill {
+            let Some(mean) = pre.mean(&id) else { continue };
+            let rate = ops / mean;
+            println!(
+                "{id:<58} {:>8.1} GOP/s {:>6.2}x the f32 FMA peak",
+                rate / 1e9,
+                rate / peak[threads - 1]
+            );
+        }
+    }
     crit.final_summary();
 }
