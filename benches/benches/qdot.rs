@@ -7,7 +7,7 @@
 //! the GGUF stores it). One token; 1 and 2 threads; each kernel path the
 //! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
-//! The 32-value formats also run repacked sixteen rows at a time
+//! Every format also runs repacked sixteen rows at a time
 //! (`PackedRows`, `qmatvec_packed`) on the AVX-512 VNNI path.
 //!
 //! A prefill chunk of 512 tokens through the repacked Q5_0 rows prints
@@ -126,6 +126,12 @@ fn run_packed<B: PackBlock>(
     }
 }
 
+/// `ws` in GGUF's layout ([`run`]) and repacked ([`run_packed`]).
+fn both<B: PackBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B>], rows: usize) {
+    run(crit, rep, shape, ws, rows);
+    run_packed(crit, rep, shape, ws, rows);
+}
+
 /// Tokens of the prefill chunk [`prefill`] multiplies.
 const PREFILL: usize = 512;
 
@@ -174,41 +180,65 @@ fn main() {
     let rep = Report::default();
     let mut crit = criterion(300, 1000);
     let ff = 2 * 4864;
-    let ws = mats(8, ff, K, BlockQ8_0::quantize);
-    run(&mut crit, &rep, "ffn", &ws, ff);
-    run_packed(&mut crit, &rep, "ffn", &ws, ff);
-    let ws = mats(8, ff, K, BlockQ5_0::quantize);
-    run(&mut crit, &rep, "ffn", &ws, ff);
-    run_packed(&mut crit, &rep, "ffn", &ws, ff);
-    let ws = mats(8, ff, K, BlockQ4_1::quantize);
-    run(&mut crit, &rep, "ffn", &ws, ff);
-    run_packed(&mut crit, &rep, "ffn", &ws, ff);
-    let ws = mats(8, ff, K, BlockQ4_0::quantize);
-    run(&mut crit, &rep, "ffn", &ws, ff);
-    run_packed(&mut crit, &rep, "ffn", &ws, ff);
+    both(
+        &mut crit,
+        &rep,
+        "ffn",
+        &mats(8, ff, K, BlockQ8_0::quantize),
+        ff,
+    );
+    both(
+        &mut crit,
+        &rep,
+        "ffn",
+        &mats(8, ff, K, BlockQ5_0::quantize),
+        ff,
+    );
+    both(
+        &mut crit,
+        &rep,
+        "ffn",
+        &mats(8, ff, K, BlockQ4_1::quantize),
+        ff,
+    );
+    both(
+        &mut crit,
+        &rep,
+        "ffn",
+        &mats(8, ff, K, BlockQ4_0::quantize),
+        ff,
+    );
     // Qwen2's down projection (896 x 4864) in the K formats its GGUF uses
     // for it, and in Q5_0 for comparison.
-    run(
+    both(
         &mut crit,
         &rep,
         "down",
         &mats(8, K, FF, BlockQ4K::quantize),
         K,
     );
-    run(
+    both(
         &mut crit,
         &rep,
         "down",
         &mats(8, K, FF, BlockQ6K::quantize),
         K,
     );
-    let ws = mats(8, K, FF, BlockQ5_0::quantize);
-    run(&mut crit, &rep, "down", &ws, K);
-    run_packed(&mut crit, &rep, "down", &ws, K);
+    both(
+        &mut crit,
+        &rep,
+        "down",
+        &mats(8, K, FF, BlockQ5_0::quantize),
+        K,
+    );
     let vocab = 151_936;
-    let ws = mats(1, vocab, K, BlockQ8_0::quantize);
-    run(&mut crit, &rep, "head", &ws, vocab);
-    run_packed(&mut crit, &rep, "head", &ws, vocab);
+    both(
+        &mut crit,
+        &rep,
+        "head",
+        &mats(1, vocab, K, BlockQ8_0::quantize),
+        vocab,
+    );
     // Its own report: GB/s of weights mean nothing for a compute-bound chunk.
     let pre = Report::default();
     let prefill = prefill(&mut crit, &pre, &mats(1, ff, K, BlockQ5_0::quantize)[0], ff);

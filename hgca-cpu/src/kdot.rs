@@ -21,7 +21,7 @@ use crate::qdot::{DotBlock, DotKind, Token};
 
 /// Code `i` (0..256) of a Q6_K block, 0..64.
 #[inline(always)]
-fn q6k_code(b: &BlockQ6K, i: usize) -> u8 {
+pub(crate) fn q6k_code(b: &BlockQ6K, i: usize) -> u8 {
     let (h, r) = (i / 128, i % 128);
     let (k, l) = (r / 32, r % 32);
     let ql = b.ql[64 * h + 32 * (k % 2) + l];

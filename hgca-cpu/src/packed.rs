@@ -1,36 +1,47 @@
-//! GGUF's 32-value rows (Q4_0, Q4_1, Q5_0, Q8_0) repacked sixteen rows at
-//! a time for the decode matrix-vector product on AVX-512 VNNI.
+//! GGUF's rows (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) repacked sixteen rows
+//! at a time for the matrix-vector product of decoding, and the integer
+//! product of prefill chunks, on AVX-512 VNNI.
 //!
-//! In GGUF's layout a block's 32 codes, its scale and its fifth bits are
-//! one row's; the kernel of [`CpuBackend::qmatvec`] works a row at a time
-//! and spends most of its instructions per block on putting the block in
-//! registers (two blocks' nibbles spread over four lanes, two f16 scales
-//! widened and spread over eight lanes each) and on reducing the
-//! products of a row: on Zen 5 that made Q5_0 compute-bound near 18 GB/s a
-//! thread, half the machine's streaming read. Here the same blocks of
-//! sixteen rows are stored side by side, one 512-bit lane per row: four
-//! codes of each of the sixteen rows make one register, multiplied by four
-//! activation codes broadcast to every lane (`vpdpbusd`), so every lane
-//! sums one row and a block column ends with one conversion and one fused
-//! multiply-add for all sixteen rows' scales. The bytes are GGUF's (a
-//! sixteen-row block column of Q5_0 is 352 bytes, sixteen blocks of 22).
-//! Several tokens (a prefill chunk) share a block column's unpacked codes
-//! four at a time, and from sixteen tokens the threads share out tokens,
-//! each writing its rows of the output in place.
+//! In GGUF's layout a block's codes and scales are one row's; the kernel
+//! of [`CpuBackend::qmatvec`] works a row at a time and spends most of its
+//! instructions per block on putting the block in registers (two blocks'
+//! nibbles spread over four lanes, two f16 scales widened and spread over
+//! eight lanes each) and on reducing the products of a row: on Zen 5 that
+//! made Q5_0 compute-bound near 18 GB/s a thread, half the machine's
+//! streaming read. Here the blocks of sixteen rows are stored side by
+//! side, one 512-bit lane per row: four codes of each of the sixteen rows
+//! make one register, multiplied by four activation codes broadcast to
+//! every lane (`vpdpbusd`), so every lane sums one row and a column of 32
+//! values ends with one conversion and one fused multiply-add for all
+//! sixteen rows' scales. The bytes are GGUF's (a sixteen-row column of
+//! Q5_0 is 352 bytes, sixteen blocks of 22; a sixteen-row Q6_K super-block
+//! 3360, sixteen of 210; Q4_K takes 2368 for sixteen of 144: its 6-bit
+//! sub-block scales and minimums a byte each). Several tokens (a prefill
+//! chunk) share a column's unpacked codes four at a time, and from
+//! sixteen tokens the threads share out tokens, each writing its rows of
+//! the output in place.
 //!
-//! Layout of one block column of a row group (`GROUP` rows, the rows past
-//! the matrix's last zero): 256 bytes of nibbles, in four 64-byte parts;
-//! part `p`'s byte `4 r + j` holds, in its low four bits, code `8 p + j`
-//! of row `r`'s block and, in its high four bits, code `8 p + 4 + j`. For
-//! Q5_0, eight 64-bit masks follow, mask `c` bit `4 r + j` the fifth bit
-//! of code `4 c + j` of row `r` (the codes in the order of the registers
-//! the nibbles unpack to: low half of part `p` is register `2 p`, high
-//! half register `2 p + 1`); then sixteen f16 scales, and for Q4_1 sixteen
-//! f16 minimums. Q8_0's column is eight registers of codes (register `c`
-//! byte `4 r + j` code `4 c + j` of row `r`) and the scales. A row group's
-//! block columns follow one another.
+//! Layout. A row group (`GROUP` rows, those past the matrix's last zero)
+//! is its super-blocks in turn (a super-block is one block of the 32-value
+//! formats, 256 values of the K formats), each a header (Q4_K: sixteen
+//! f16 `d` then sixteen `dmin`; Q6_K: sixteen `d`; none for the others)
+//! and its columns of 32 values. Codes: register `c` (of eight) lane `r`
+//! holds codes `4 c .. 4 c + 4` of row `r`'s column. A column starts with
+//! 256 bytes of nibbles in four 64-byte parts: part `p`'s byte `4 r + j`
+//! holds, low, code `8 p + j`'s low four bits (register `2 p`) and, high,
+//! code `8 p + 4 + j`'s (register `2 p + 1`). Then: Q5_0 eight 64-bit
+//! masks, mask `c` bit `4 r + j` the fifth bit of code `4 c + j`, and
+//! sixteen f16 scales; Q4_0 the scales; Q4_1 the scales and sixteen f16
+//! minimums; Q4_K sixteen 6-bit sub-block scales and sixteen minimums, a
+//! byte each; Q6_K two 64-byte parts of top bits, part `h` byte `4 r + j`
+//! bits `2 k, 2 k + 1` the top bits of register `4 h + k`'s code, and
+//! the sixteen rows' i8 scales of the column's first 16 values, then of
+//! its last 16. Q8_0's column is eight registers of codes and the scales.
 
-use hgca_kernels::{BlockQ4_0, BlockQ4_1, BlockQ5_0, BlockQ8_0, Error, Result, check_len_of, f16};
+use hgca_kernels::{
+    BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, Result, check_len_of,
+    f16,
+};
 
 use crate::CpuBackend;
 use crate::qdot::{DotBlock, DotKind, Q8Acts, QDotPath, Token, parts};
@@ -48,13 +59,16 @@ mod sealed {
     impl Sealed for hgca_kernels::BlockQ4_1 {}
     impl Sealed for hgca_kernels::BlockQ5_0 {}
     impl Sealed for hgca_kernels::BlockQ8_0 {}
+    impl Sealed for hgca_kernels::BlockQ4K {}
+    impl Sealed for hgca_kernels::BlockQ6K {}
 }
 
-/// A 32-value GGUF format that [`PackedRows`] repacks: 4-bit codes (and
-/// Q5_0's fifth bit), or Q8_0's bytes.
+/// A GGUF format that [`PackedRows`] repacks.
 pub trait PackBlock: DotBlock + sealed::Sealed {
-    /// Bytes of one block column of a row group.
+    /// Bytes of one 32-value column of a row group.
     const COLUMN_BYTES: usize;
+    /// Bytes of a row group's super-block header.
+    const HEADER: usize = 0;
 }
 
 impl PackBlock for BlockQ4_0 {
@@ -69,45 +83,120 @@ impl PackBlock for BlockQ5_0 {
 impl PackBlock for BlockQ8_0 {
     const COLUMN_BYTES: usize = 512 + 2 * GROUP;
 }
-
-/// Offsets within a block column: the fifth bits' masks (Q5_0), the
-/// scales, the minimums (Q4_1).
-const fn offsets(kind: DotKind) -> (usize, usize, usize) {
-    let qh = 256;
-    let d = match kind {
-        DotKind::Q5_0 => qh + 64,
-        DotKind::Q8_0 => 512,
-        _ => qh,
-    };
-    (qh, d, d + 2 * GROUP)
+impl PackBlock for BlockQ4K {
+    const COLUMN_BYTES: usize = 256 + 2 * GROUP;
+    const HEADER: usize = 4 * GROUP;
+}
+impl PackBlock for BlockQ6K {
+    const COLUMN_BYTES: usize = 256 + 128 + 2 * GROUP;
+    const HEADER: usize = 2 * GROUP;
 }
 
-/// The code a block stores for value `i` (Q4_0 and Q4_1: 0..16; Q5_0:
-/// 0..32; Q8_0: its signed byte), its scale and its minimum's f16 (zero
-/// but for Q4_1).
-fn codes<B: PackBlock>(b: &B) -> ([u8; 32], f16, f16) {
-    let (q, _, _) = parts(b);
-    let off: i8 = match B::KIND {
-        DotKind::Q4_0 => 8,
-        DotKind::Q5_0 => 16,
-        _ => 0,
-    };
-    let u = q.map(|v| (v + off) as u8);
-    match B::KIND {
-        DotKind::Q4_1 => {
-            let b: &BlockQ4_1 = bytemuck::cast_ref(b);
-            (u, b.d, b.m)
-        }
-        DotKind::Q4_0 => (u, bytemuck::cast_ref::<B, BlockQ4_0>(b).d, f16::ZERO),
-        DotKind::Q8_0 => (u, bytemuck::cast_ref::<B, BlockQ8_0>(b).d, f16::ZERO),
-        _ => (u, bytemuck::cast_ref::<B, BlockQ5_0>(b).d, f16::ZERO),
+/// Columns of 32 values per super-block.
+const fn columns<B: PackBlock>() -> usize {
+    B::VALUES / 32
+}
+
+/// Bytes of a row group's super-block.
+const fn super_bytes<B: PackBlock>() -> usize {
+    B::HEADER + columns::<B>() * B::COLUMN_BYTES
+}
+
+/// Where a column keeps what follows its nibbles (Q8_0: its codes): the
+/// fifth bits or top bits, and its scales (f16 `d`, or the K formats'
+/// sub-block bytes).
+const fn column_offsets(kind: DotKind) -> (usize, usize) {
+    match kind {
+        DotKind::Q5_0 => (256, 320),
+        DotKind::Q8_0 => (512, 512),
+        DotKind::Q6K => (256, 384),
+        _ => (256, 256),
     }
 }
 
+/// The factor of the offset sum: the values are `d (c - 8)`, `d (c - 16)`,
+/// `d c + m`, `d sc c - dmin mn` or `d sc (c - 32)` for unsigned codes
+/// `c` (Q8_0's are signed, `d c`: no offset).
+const fn offset_factor(kind: DotKind) -> f32 {
+    match kind {
+        DotKind::Q4_0 => -8.0,
+        DotKind::Q5_0 => -16.0,
+        DotKind::Q4_1 => 1.0,
+        DotKind::Q4K => -1.0,
+        DotKind::Q6K => -32.0,
+        DotKind::Q8_0 => 0.0,
+    }
+}
+
+/// One row's super-block, unpacked: its codes (unsigned but for Q8_0's
+/// bytes), per column of 32 the f16 scale and minimum (32-value formats),
+/// or the sub-block bytes (Q4_K: scale and minimum per column; Q6_K: the
+/// scales of each half column), and the K formats' `d` and `dmin`.
+struct Unpacked {
+    codes: [u8; 256],
+    col: [[u16; 2]; 8],
+    head: [u16; 2],
+}
+
+fn unpack_block<B: PackBlock>(b: &B) -> Unpacked {
+    let mut u = Unpacked {
+        codes: [0; 256],
+        col: [[0; 2]; 8],
+        head: [0; 2],
+    };
+    match B::KIND {
+        DotKind::Q4K => {
+            let b: &BlockQ4K = bytemuck::cast_ref(b);
+            let (sc, mn) = b.scales_mins();
+            for j in 0..8 {
+                for l in 0..32 {
+                    u.codes[32 * j + l] = (b.qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0x0F;
+                }
+                u.col[j] = [u16::from(sc[j]), u16::from(mn[j])];
+            }
+            u.head = [b.d.to_bits(), b.dmin.to_bits()];
+        }
+        DotKind::Q6K => {
+            let b: &BlockQ6K = bytemuck::cast_ref(b);
+            for (i, c) in u.codes.iter_mut().enumerate() {
+                *c = crate::kdot::q6k_code(b, i);
+            }
+            for j in 0..8 {
+                u.col[j] = [
+                    u16::from(b.scales[2 * j] as u8),
+                    u16::from(b.scales[2 * j + 1] as u8),
+                ];
+            }
+            u.head = [b.d.to_bits(), 0];
+        }
+        _ => {
+            let (q, _, _) = parts(b);
+            let off: i8 = match B::KIND {
+                DotKind::Q4_0 => 8,
+                DotKind::Q5_0 => 16,
+                _ => 0,
+            };
+            for (c, v) in u.codes.iter_mut().zip(q) {
+                *c = (v + off) as u8;
+            }
+            let (d, m) = match B::KIND {
+                DotKind::Q4_1 => {
+                    let b: &BlockQ4_1 = bytemuck::cast_ref(b);
+                    (b.d, b.m)
+                }
+                DotKind::Q4_0 => (bytemuck::cast_ref::<B, BlockQ4_0>(b).d, f16::ZERO),
+                DotKind::Q8_0 => (bytemuck::cast_ref::<B, BlockQ8_0>(b).d, f16::ZERO),
+                _ => (bytemuck::cast_ref::<B, BlockQ5_0>(b).d, f16::ZERO),
+            };
+            u.col[0] = [d.to_bits(), m.to_bits()];
+        }
+    }
+    u
+}
+
 /// A `[rows, k]` matrix of GGUF blocks repacked for
-/// [`CpuBackend::qmatvec_packed`] (see the module's layout): the same
-/// bytes per block, rows padded to a multiple of [`GROUP`] with zero
-/// blocks.
+/// [`CpuBackend::qmatvec_packed`] (see the module's layout), rows padded
+/// to a multiple of [`GROUP`] with zero blocks.
 ///
 /// ```
 /// use hgca_cpu::{CpuBackend, PackedRows, Q8Acts};
@@ -145,47 +234,43 @@ impl<B: PackBlock> std::fmt::Debug for PackedRows<B> {
 }
 
 impl<B: PackBlock> PackedRows<B> {
-    /// Repacks `w`, `rows` rows of `k / 32` blocks each (GGUF's layout of
-    /// a `[rows, k]` matrix).
+    /// Repacks `w`, `rows` rows of `k / B::VALUES` blocks each (GGUF's
+    /// layout of a `[rows, k]` matrix).
     ///
     /// # Errors
-    /// [`Error::Param`] when `k` is not a multiple of 32, [`Error::Length`]
-    /// when `w` does not hold `rows * k / 32` blocks.
+    /// [`Error::Param`] when `k` is not a multiple of the block (32, or
+    /// 256 for the K formats), [`Error::Length`] when `w` does not hold
+    /// `rows * k / B::VALUES` blocks.
     pub fn new(w: &[B], rows: usize, k: usize) -> Result<Self> {
-        if !k.is_multiple_of(32) {
+        if !k.is_multiple_of(B::VALUES) {
             return Err(Error::Param {
                 what: "row width",
                 value: k as f64,
-                expected: "a multiple of 32 (the block)",
+                expected: "a multiple of the format's block (32, 256 for the K formats)",
             });
         }
-        let nb = k / 32;
+        let nb = k / B::VALUES;
         check_len_of("weight blocks", &[rows, nb], w.len())?;
         let groups = rows.div_ceil(GROUP);
-        let mut bytes = vec![0u8; groups * nb * B::COLUMN_BYTES];
-        let (qh_at, d_at, m_at) = offsets(B::KIND);
-        for (g, group) in bytes.chunks_exact_mut(nb * B::COLUMN_BYTES).enumerate() {
-            for (b, col) in group.chunks_exact_mut(B::COLUMN_BYTES).enumerate() {
+        let mut bytes = vec![0u8; groups * nb * super_bytes::<B>()];
+        let (extra, sc_at) = column_offsets(B::KIND);
+        for (g, group) in bytes.chunks_exact_mut(nb * super_bytes::<B>()).enumerate() {
+            for (s, sup) in group.chunks_exact_mut(super_bytes::<B>()).enumerate() {
+                let (head, cols) = sup.split_at_mut(B::HEADER);
                 for r in 0..GROUP.min(rows - g * GROUP) {
-                    let (u, d, m) = codes(&w[(g * GROUP + r) * nb + b]);
-                    for (i, &c) in u.iter().enumerate() {
-                        let (reg, j) = (i / 4, i % 4);
-                        if B::KIND == DotKind::Q8_0 {
-                            // Register `i / 4`, lane r, byte i % 4.
-                            col[64 * reg + 4 * r + j] = c;
-                            continue;
-                        }
-                        // Register `i / 4` (part `i / 8`, its high half
-                        // for odd registers), lane r, byte i % 4.
-                        let byte = 64 * (reg / 2) + 4 * r + j;
-                        col[byte] |= (c & 0x0F) << (4 * (reg % 2));
-                        if B::KIND == DotKind::Q5_0 && c & 0x10 != 0 {
-                            col[qh_at + 8 * reg + (4 * r + j) / 8] |= 1 << ((4 * r + j) % 8);
-                        }
+                    let u = unpack_block(&w[(g * GROUP + r) * nb + s]);
+                    for (h, &v) in u.head.iter().enumerate().take(B::HEADER / (2 * GROUP)) {
+                        head[2 * (GROUP * h + r)..][..2].copy_from_slice(&v.to_le_bytes());
                     }
-                    col[d_at + 2 * r..d_at + 2 * r + 2].copy_from_slice(&d.to_le_bytes());
-                    if B::KIND == DotKind::Q4_1 {
-                        col[m_at + 2 * r..m_at + 2 * r + 2].copy_from_slice(&m.to_le_bytes());
+                    for (j, col) in cols.chunks_exact_mut(B::COLUMN_BYTES).enumerate() {
+                        write_column::<B>(
+                            col,
+                            r,
+                            &u.codes[32 * j..32 * j + 32],
+                            u.col[j],
+                            extra,
+                            sc_at,
+                        );
                     }
                 }
             }
@@ -213,16 +298,54 @@ impl<B: PackBlock> PackedRows<B> {
         self.bytes.len()
     }
 
-    /// Row group `g`'s block columns.
+    /// Row group `g`'s super-blocks.
     fn group(&self, g: usize) -> &[u8] {
-        let n = self.k / 32 * B::COLUMN_BYTES;
+        let n = self.k / B::VALUES * super_bytes::<B>();
         &self.bytes[g * n..(g + 1) * n]
     }
 }
 
-/// Row `r`'s code `i` of a block column.
+/// Row `r`'s 32 codes and scale fields of one column into `col`.
+fn write_column<B: PackBlock>(
+    col: &mut [u8],
+    r: usize,
+    codes: &[u8],
+    scales: [u16; 2],
+    extra: usize,
+    sc_at: usize,
+) {
+    for (i, &c) in codes.iter().enumerate() {
+        let (reg, j) = (i / 4, i % 4);
+        if B::KIND == DotKind::Q8_0 {
+            col[64 * reg + 4 * r + j] = c;
+            continue;
+        }
+        col[64 * (reg / 2) + 4 * r + j] |= (c & 0x0F) << (4 * (reg % 2));
+        if B::KIND == DotKind::Q5_0 && c & 0x10 != 0 {
+            col[extra + 8 * reg + (4 * r + j) / 8] |= 1 << ((4 * r + j) % 8);
+        }
+        if B::KIND == DotKind::Q6K {
+            let (h, k) = (reg / 4, reg % 4);
+            col[extra + 64 * h + 4 * r + j] |= (c >> 4) << (2 * k);
+        }
+    }
+    match B::KIND {
+        DotKind::Q4K | DotKind::Q6K => {
+            col[sc_at + r] = scales[0] as u8;
+            col[sc_at + GROUP + r] = scales[1] as u8;
+        }
+        _ => {
+            col[sc_at + 2 * r..][..2].copy_from_slice(&scales[0].to_le_bytes());
+            if B::KIND == DotKind::Q4_1 {
+                col[sc_at + 2 * GROUP + 2 * r..][..2].copy_from_slice(&scales[1].to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Row `r`'s code `i` of a column.
 fn column_code<B: PackBlock>(col: &[u8], r: usize, i: usize) -> i32 {
-    let (qh_at, _, _) = offsets(B::KIND);
+    let (extra, _) = column_offsets(B::KIND);
     let (reg, j) = (i / 4, i % 4);
     if B::KIND == DotKind::Q8_0 {
         return i32::from(col[64 * reg + 4 * r + j] as i8);
@@ -230,45 +353,72 @@ fn column_code<B: PackBlock>(col: &[u8], r: usize, i: usize) -> i32 {
     let mut c = (col[64 * (reg / 2) + 4 * r + j] >> (4 * (reg % 2))) & 0x0F;
     if B::KIND == DotKind::Q5_0 {
         let bit = 4 * r + j;
-        c |= ((col[qh_at + 8 * reg + bit / 8] >> (bit % 8)) & 1) << 4;
+        c |= ((col[extra + 8 * reg + bit / 8] >> (bit % 8)) & 1) << 4;
+    }
+    if B::KIND == DotKind::Q6K {
+        let (h, k) = (reg / 4, reg % 4);
+        c |= ((col[extra + 64 * h + 4 * r + j] >> (2 * k)) & 3) << 4;
     }
     i32::from(c)
 }
 
-fn column_f16(col: &[u8], at: usize, r: usize) -> f32 {
-    f16::from_le_bytes([col[at + 2 * r], col[at + 2 * r + 1]]).to_f32()
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// The factor of a block column's offset sum (`Σ_b d u_b`, or `Σ_b m
-/// u_b` for Q4_1): the codes are unsigned, the values `d (c - 8)`,
-/// `d (c - 16)` or `d c + m` (Q8_0's are signed, `d c`: no offset).
-const fn offset_factor(kind: DotKind) -> f32 {
-    match kind {
-        DotKind::Q4_0 => -8.0,
-        DotKind::Q5_0 => -16.0,
-        DotKind::Q8_0 => 0.0,
-        _ => 1.0,
+/// Row `r`'s multipliers of one column: of the integer sums of its first
+/// and last 16 values (equal but for Q6_K), and of the offset sum.
+fn column_scales<B: PackBlock>(head: &[u8], col: &[u8], r: usize) -> (f32, f32, f32) {
+    let (_, at) = column_offsets(B::KIND);
+    match B::KIND {
+        DotKind::Q4K => {
+            let (d, dmin) = (f16_at(head, 2 * r), f16_at(head, 2 * (GROUP + r)));
+            let a = d * f32::from(col[at + r]);
+            (a, a, dmin * f32::from(col[at + GROUP + r]))
+        }
+        DotKind::Q6K => {
+            let d = f16_at(head, 2 * r);
+            let (a0, a1) = (
+                d * f32::from(col[at + r] as i8),
+                d * f32::from(col[at + GROUP + r] as i8),
+            );
+            (a0, a1, 0.0)
+        }
+        DotKind::Q4_1 => {
+            let d = f16_at(col, at + 2 * r);
+            (d, d, f16_at(col, at + 2 * GROUP + 2 * r))
+        }
+        _ => {
+            let d = f16_at(col, at + 2 * r);
+            (d, d, d)
+        }
     }
 }
 
 /// One row group against one token, portable code: `out[r]` for the
 /// group's rows (`out.len()` of them).
 fn group_scalar<B: PackBlock>(group: &[u8], x: Token<'_>, out: &mut [f32]) {
-    let (_, d_at, m_at) = offsets(B::KIND);
     for (r, y) in out.iter_mut().enumerate() {
         let (mut acc, mut off) = (0.0f32, 0.0f32);
-        for (b, col) in group.chunks_exact(B::COLUMN_BYTES).enumerate() {
-            let dot: i32 = (0..32)
-                .map(|i| column_code::<B>(col, r, i) * i32::from(x.blocks[b].qs[i]))
-                .sum();
-            let d = column_f16(col, d_at, r);
-            acc = (d * x.scales[b]).mul_add(dot as f32, acc);
-            let o = if B::KIND == DotKind::Q4_1 {
-                column_f16(col, m_at, r)
-            } else {
-                d
-            };
-            off = o.mul_add(x.sums[b], off);
+        for (s, sup) in group.chunks_exact(super_bytes::<B>()).enumerate() {
+            let (head, cols) = sup.split_at(B::HEADER);
+            for (j, col) in cols.chunks_exact(B::COLUMN_BYTES).enumerate() {
+                let b = columns::<B>() * s + j;
+                let half = |h: usize| -> i32 {
+                    (16 * h..16 * h + 16)
+                        .map(|i| column_code::<B>(col, r, i) * i32::from(x.blocks[b].qs[i]))
+                        .sum()
+                };
+                let (a0, a1, m) = column_scales::<B>(head, col, r);
+                acc = (a0 * x.scales[b]).mul_add(half(0) as f32, acc);
+                acc = (a1 * x.scales[b]).mul_add(half(1) as f32, acc);
+                if B::KIND == DotKind::Q6K {
+                    off = a0.mul_add(x.sums16[2 * b], off);
+                    off = a1.mul_add(x.sums16[2 * b + 1], off);
+                } else {
+                    off = m.mul_add(x.sums[b], off);
+                }
+            }
         }
         *y = offset_factor(B::KIND).mul_add(off, acc);
     }
@@ -284,19 +434,19 @@ mod x86 {
     /// eight `vpdpbusd` and its scales.
     const TILE: usize = 4;
 
-    /// A block column's codes in eight registers (register `c` lane `r`:
-    /// codes `4 c .. 4 c + 4` of row `r`), unsigned; for Q8_0 their
-    /// magnitudes, with the masks of the negative ones.
+    /// A column's codes in eight registers (register `c` lane `r`: codes
+    /// `4 c .. 4 c + 4` of row `r`), unsigned; for Q8_0 their magnitudes,
+    /// with the masks of the negative ones.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     fn unpack<B: PackBlock>(col: &[u8]) -> ([__m512i; 8], [__mmask64; 8]) {
-        let (qh_at, _, _) = offsets(B::KIND);
+        let (extra, _) = column_offsets(B::KIND);
         let p = col.as_ptr();
         let mut q = [_mm512_setzero_si512(); 8];
         let mut neg = [0; 8];
         if B::KIND == DotKind::Q8_0 {
             for (c, (q, neg)) in q.iter_mut().zip(&mut neg).enumerate() {
-                // SAFETY: a Q8_0 block column holds 512 bytes of codes.
+                // SAFETY: a Q8_0 column holds 512 bytes of codes.
                 let v = unsafe { _mm512_loadu_si512(p.add(64 * c).cast()) };
                 *neg = _mm512_movepi8_mask(v);
                 *q = _mm512_abs_epi8(v);
@@ -305,8 +455,8 @@ mod x86 {
         }
         let low = _mm512_set1_epi8(0x0F);
         for part in 0..4 {
-            // SAFETY: a block column holds 256 bytes of nibbles, and for
-            // Q5_0 eight masks of 8 bytes from `qh_at`.
+            // SAFETY: a column holds 256 bytes of nibbles, Q5_0's eight
+            // masks of 8 bytes and Q6_K's two parts of 64 after them.
             let v = unsafe { _mm512_loadu_si512(p.add(64 * part).cast()) };
             q[2 * part] = _mm512_and_si512(v, low);
             q[2 * part + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
@@ -314,11 +464,84 @@ mod x86 {
         if B::KIND == DotKind::Q5_0 {
             for (c, q) in q.iter_mut().enumerate() {
                 // SAFETY: as above.
-                let m = unsafe { p.add(qh_at + 8 * c).cast::<u64>().read_unaligned() };
+                let m = unsafe { p.add(extra + 8 * c).cast::<u64>().read_unaligned() };
                 *q = _mm512_mask_add_epi8(*q, m, *q, _mm512_set1_epi8(16));
             }
         }
+        if B::KIND == DotKind::Q6K {
+            let top = _mm512_set1_epi8(0x30);
+            for h in 0..2 {
+                // SAFETY: as above.
+                let v = unsafe { _mm512_loadu_si512(p.add(extra + 64 * h).cast()) };
+                // Bits 2k, 2k + 1 of each byte to bits 4, 5 (16-bit
+                // shifts: the mask drops what crosses a byte).
+                let t = [
+                    _mm512_slli_epi16::<4>(v),
+                    _mm512_slli_epi16::<2>(v),
+                    v,
+                    _mm512_srli_epi16::<2>(v),
+                ];
+                for (k, t) in t.into_iter().enumerate() {
+                    let c = 4 * h + k;
+                    q[c] = _mm512_or_si512(q[c], _mm512_and_si512(t, top));
+                }
+            }
+        }
         (q, neg)
+    }
+
+    /// The first sixteen f16 of `b`, widened.
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    #[inline]
+    fn f16x16(b: &[u8]) -> __m512 {
+        let b = &b[..2 * GROUP];
+        // SAFETY: 32 readable bytes.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(b.as_ptr().cast())) }
+    }
+
+    /// The first sixteen bytes of `b` (signed or not) as f32.
+    #[target_feature(enable = "avx512f,avx2")]
+    #[inline]
+    fn bytes16(b: &[u8], signed: bool) -> __m512 {
+        let b = &b[..GROUP];
+        // SAFETY: 16 readable bytes.
+        let v = unsafe { _mm_loadu_si128(b.as_ptr().cast()) };
+        _mm512_cvtepi32_ps(if signed {
+            _mm512_cvtepi8_epi32(v)
+        } else {
+            _mm512_cvtepu8_epi32(v)
+        })
+    }
+
+    /// A column's multipliers for the sixteen rows: of the integer sums of
+    /// its first and last 16 values, and of the offset sum (as
+    /// `column_scales`). `hd` holds the super-block's widened `d` and
+    /// `dmin` (the K formats).
+    #[target_feature(enable = "avx512f,avx2,f16c")]
+    #[inline]
+    fn scales<B: PackBlock>(col: &[u8], hd: [__m512; 2]) -> [__m512; 3] {
+        let (_, at) = column_offsets(B::KIND);
+        let p = &col[at..];
+        match B::KIND {
+            DotKind::Q4K => {
+                let (sc, mn) = (bytes16(p, false), bytes16(&p[GROUP..], false));
+                let a = _mm512_mul_ps(hd[0], sc);
+                [a, a, _mm512_mul_ps(hd[1], mn)]
+            }
+            DotKind::Q6K => {
+                let (s0, s1) = (bytes16(p, true), bytes16(&p[GROUP..], true));
+                let (a0, a1) = (_mm512_mul_ps(hd[0], s0), _mm512_mul_ps(hd[0], s1));
+                [a0, a1, _mm512_setzero_ps()]
+            }
+            DotKind::Q4_1 => {
+                let d = f16x16(p);
+                [d, d, f16x16(&p[2 * GROUP..])]
+            }
+            _ => {
+                let d = f16x16(p);
+                [d, d, d]
+            }
+        }
     }
 
     /// One row group against `T` tokens: per token sixteen sums, each
@@ -326,42 +549,49 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     #[inline]
     fn group<B: PackBlock, const T: usize>(group: &[u8], x: [Token<'_>; T]) -> [__m512; T] {
-        let (_, d_at, m_at) = offsets(B::KIND);
         let zero = _mm512_setzero_si512();
         let mut acc = [_mm512_setzero_ps(); T];
         let mut off = [_mm512_setzero_ps(); T];
-        for (b, col) in group.chunks_exact(B::COLUMN_BYTES).enumerate() {
-            let (q, neg) = unpack::<B>(col);
-            let p = col.as_ptr();
-            // SAFETY: sixteen f16 scales (and minimums) in the column.
-            let d = unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.add(d_at).cast())) };
-            let o = if B::KIND == DotKind::Q4_1 {
-                // SAFETY: as above.
-                unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.add(m_at).cast())) }
-            } else {
-                d
+        for (s, sup) in group.chunks_exact(super_bytes::<B>()).enumerate() {
+            let (head, cols) = sup.split_at(B::HEADER);
+            let hd = match B::KIND {
+                DotKind::Q4K => [f16x16(head), f16x16(&head[2 * GROUP..])],
+                DotKind::Q6K => [f16x16(head), _mm512_setzero_ps()],
+                _ => [_mm512_setzero_ps(); 2],
             };
-            for t in 0..T {
-                let xq: [i32; 8] = bytemuck::cast(x[t].blocks[b].qs);
-                let (mut s0, mut s1) = (zero, zero);
-                for c in 0..8 {
-                    let mut xb = _mm512_set1_epi32(xq[c]);
-                    if B::KIND == DotKind::Q8_0 {
-                        // The activation codes negated where the weight's
-                        // is (they are within ±127).
-                        xb = _mm512_mask_sub_epi8(xb, neg[c], zero, xb);
+            for (j, col) in cols.chunks_exact(B::COLUMN_BYTES).enumerate() {
+                let b = columns::<B>() * s + j;
+                let (q, neg) = unpack::<B>(col);
+                let [a0, a1, m] = scales::<B>(col, hd);
+                for t in 0..T {
+                    let xq: [i32; 8] = bytemuck::cast(x[t].blocks[b].qs);
+                    // The sums of the column's first 16 values (registers
+                    // 0..4) and of its last 16.
+                    let mut h = [zero; 2];
+                    for c in 0..8 {
+                        let mut xb = _mm512_set1_epi32(xq[c]);
+                        if B::KIND == DotKind::Q8_0 {
+                            // The activation codes negated where the
+                            // weight's is (they are within ±127).
+                            xb = _mm512_mask_sub_epi8(xb, neg[c], zero, xb);
+                        }
+                        h[c / 4] = _mm512_dpbusd_epi32(h[c / 4], q[c], xb);
                     }
-                    if c % 2 == 0 {
-                        s0 = _mm512_dpbusd_epi32(s0, q[c], xb);
+                    let sx = _mm512_set1_ps(x[t].scales[b]);
+                    if B::KIND == DotKind::Q6K {
+                        let (f0, f1) = (_mm512_cvtepi32_ps(h[0]), _mm512_cvtepi32_ps(h[1]));
+                        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(a0, sx), f0, acc[t]);
+                        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(a1, sx), f1, acc[t]);
+                        let u = &x[t].sums16[2 * b..2 * b + 2];
+                        off[t] = _mm512_fmadd_ps(a0, _mm512_set1_ps(u[0]), off[t]);
+                        off[t] = _mm512_fmadd_ps(a1, _mm512_set1_ps(u[1]), off[t]);
                     } else {
-                        s1 = _mm512_dpbusd_epi32(s1, q[c], xb);
+                        let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(h[0], h[1]));
+                        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(a0, sx), dot, acc[t]);
+                        if B::KIND != DotKind::Q8_0 {
+                            off[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x[t].sums[b]), off[t]);
+                        }
                     }
-                }
-                let dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                let ds = _mm512_mul_ps(d, _mm512_set1_ps(x[t].scales[b]));
-                acc[t] = _mm512_fmadd_ps(ds, dot, acc[t]);
-                if B::KIND != DotKind::Q8_0 {
-                    off[t] = _mm512_fmadd_ps(o, _mm512_set1_ps(x[t].sums[b]), off[t]);
                 }
             }
         }

@@ -141,20 +141,22 @@ fn check<B: DotBlock>(
     cpu.qmatvec(w, rows, &acts, &mut y)
         .map_err(|e| e.to_string())?;
     compare(w, rows, &acts, &y, "qmatvec")?;
-    if let Some(packed) = packed(cpu, w, rows, &acts) {
-        compare(w, rows, &acts, &packed?, "qmatvec_packed")?;
-    }
-    Ok(())
+    compare(
+        w,
+        rows,
+        &acts,
+        &packed(cpu, w, rows, &acts)?,
+        "qmatvec_packed",
+    )
 }
 
-/// The 32-value formats through [`PackedRows`] and `qmatvec_packed` (`None`
-/// for the other formats).
+/// The formats through [`PackedRows`] and `qmatvec_packed`.
 fn packed<B: DotBlock>(
     cpu: &CpuBackend,
     w: &[B],
     rows: usize,
     acts: &Q8Acts,
-) -> Option<Result<Vec<f32>, String>> {
+) -> Result<Vec<f32>, String> {
     fn run<P: PackBlock>(
         cpu: &CpuBackend,
         w: &[P],
@@ -167,13 +169,14 @@ fn packed<B: DotBlock>(
             .map_err(|e| e.to_string())?;
         Ok(y)
     }
-    Some(match B::KIND {
+    match B::KIND {
         DotKind::Q4_0 => run::<BlockQ4_0>(cpu, bytemuck::cast_slice(w), rows, acts),
         DotKind::Q4_1 => run::<BlockQ4_1>(cpu, bytemuck::cast_slice(w), rows, acts),
         DotKind::Q5_0 => run::<BlockQ5_0>(cpu, bytemuck::cast_slice(w), rows, acts),
         DotKind::Q8_0 => run::<BlockQ8_0>(cpu, bytemuck::cast_slice(w), rows, acts),
-        _ => return None,
-    })
+        DotKind::Q4K => run::<BlockQ4K>(cpu, bytemuck::cast_slice(w), rows, acts),
+        DotKind::Q6K => run::<BlockQ6K>(cpu, bytemuck::cast_slice(w), rows, acts),
+    }
 }
 
 /// `y` (from `what`) against the reference.
@@ -396,6 +399,10 @@ fn packed_rows_reject_bad_input_with_typed_errors() {
         assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
     }
     let r = PackedRows::new(&w, 4, 48);
+    assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
+    // A K format needs whole 256-value super-blocks along the row.
+    let k = vec![BlockQ6K::quantize(&[1.0; 256]); 1];
+    let r = PackedRows::new(&k, 4, 64);
     assert!(matches!(r, Err(Error::Param { .. })), "{r:?}");
     let p = PackedRows::new(&w, 3, 64).unwrap();
     assert_eq!((p.rows(), p.width()), (3, 64));

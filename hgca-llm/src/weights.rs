@@ -37,8 +37,8 @@ pub enum WeightFormat {
     /// re-quantised to Q8_0. Fewer bytes per token than a Q8_0 copy of 4- and 5-bit
     /// weights. Where hgca's kernel has no SIMD path (it has AVX2 and
     /// AVX-512 VNNI, no NEON yet), those formats take candle's kernels as
-    /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1, Q5_0 and Q8_0 are
-    /// repacked at load sixteen rows at a time ([`hgca_cpu::PackedRows`],
+    /// with `Auto`. On the AVX-512 VNNI path, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K
+    /// and Q6_K are repacked at load sixteen rows at a time ([`hgca_cpu::PackedRows`],
     /// the same bytes), and prefill chunks multiply them by the same
     /// integer kernel (activations quantised to Q8_0, as llama.cpp
     /// multiplies its prompt), the other parts by the f32 copy.
@@ -75,12 +75,14 @@ enum HgcaRows {
     Q8_0(Vec<BlockQ8_0>),
     Q4K(Vec<BlockQ4K>),
     Q6K(Vec<BlockQ6K>),
-    /// The 32-value formats repacked sixteen rows at a time, where
+    /// The formats repacked sixteen rows at a time, where
     /// hgca's kernel takes its AVX-512 VNNI path (the layout is for it).
     PackedQ4_0(PackedRows<BlockQ4_0>),
     PackedQ4_1(PackedRows<BlockQ4_1>),
     PackedQ5_0(PackedRows<BlockQ5_0>),
     PackedQ8_0(PackedRows<BlockQ8_0>),
+    PackedQ4K(PackedRows<BlockQ4K>),
+    PackedQ6K(PackedRows<BlockQ6K>),
 }
 
 /// One stacked part of a [`WeightFormat::Native`] layer (`rows` outputs).
@@ -156,6 +158,12 @@ impl NativePart {
                 GgmlDType::Q8_0 if pack => {
                     HgcaRows::PackedQ8_0(PackedRows::new(&pod_vec::<BlockQ8_0>(b), rows, k)?)
                 }
+                GgmlDType::Q4K if pack => {
+                    HgcaRows::PackedQ4K(PackedRows::new(&pod_vec::<BlockQ4K>(b), rows, k)?)
+                }
+                GgmlDType::Q6K if pack => {
+                    HgcaRows::PackedQ6K(PackedRows::new(&pod_vec::<BlockQ6K>(b), rows, k)?)
+                }
                 GgmlDType::Q4_0 => HgcaRows::Q4_0(pod_vec(b)),
                 GgmlDType::Q4_1 => HgcaRows::Q4_1(pod_vec(b)),
                 GgmlDType::Q5_0 => HgcaRows::Q5_0(pod_vec(b)),
@@ -213,7 +221,9 @@ impl NativePart {
                 HgcaRows::PackedQ4_0(_)
                     | HgcaRows::PackedQ4_1(_)
                     | HgcaRows::PackedQ5_0(_)
-                    | HgcaRows::PackedQ8_0(_),
+                    | HgcaRows::PackedQ8_0(_)
+                    | HgcaRows::PackedQ4K(_)
+                    | HgcaRows::PackedQ6K(_),
                 _
             )
         )
@@ -234,6 +244,8 @@ impl NativePart {
             NativePart::Hgca(HgcaRows::PackedQ4_1(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Hgca(HgcaRows::PackedQ5_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Hgca(HgcaRows::PackedQ8_0(w), _) => cpu.qmatvec_packed(w, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ4K(w), _) => cpu.qmatvec_packed(w, acts, y)?,
+            NativePart::Hgca(HgcaRows::PackedQ6K(w), _) => cpu.qmatvec_packed(w, acts, y)?,
             NativePart::Candle(q, _) => {
                 let t = Tensor::from_slice(x, (n, acts.width()), &Device::Cpu)?;
                 let out = q.forward(&t)?.flatten_all()?.to_vec1::<f32>()?;
@@ -552,7 +564,7 @@ mod tests {
     }
 
     /// A layer stacked from parts in every kind of handling (hgca's kernel
-    /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, the first four repacked
+    /// for Q5_0, Q4_1, Q4_0, Q8_0, Q4_K and Q6_K, all six repacked
     /// where the AVX-512 VNNI path runs, candle's for Q5_K, re-quantised
     /// for F16)
     /// gives each part's outputs in its own columns, for one token,
