@@ -20,7 +20,8 @@ pub(crate) struct Cli {
     /// on the same (candle's) threads; 0: every core this process may use.
     #[arg(long, global = true, default_value_t = 0)]
     pub(crate) threads: usize,
-    /// Storage type of the KV cache.
+    /// Storage type of the KV cache: every layer's, Gemma 3's sliding
+    /// windows too (but in `ppl`, whose windows stay f32).
     #[arg(long, global = true, value_enum, default_value_t = Kv::F16)]
     pub(crate) kv: Kv,
     #[command(subcommand)]

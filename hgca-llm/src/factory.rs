@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use hgca_cpu::CpuBackend;
 use hgca_hybrid::{HybridAttention, HybridConfig, KeyCodes, Recovery, SequenceAttention};
 use hgca_kernels::{AttnShape, KvElem, bf16, f16};
-use hgca_llm::{BoxedAttention, Error, Result};
+use hgca_llm::{BoxedAttention, Error, Llama, Result};
 
 use crate::cli::Kv;
 
@@ -15,6 +15,16 @@ pub(crate) fn full_factory(kv: Kv) -> impl FnMut(usize, AttnShape) -> Result<Box
         Kv::F32 => hgca_llm::full_attention::<f32>()(layer, shape),
         Kv::F16 => hgca_llm::full_attention::<f16>()(layer, shape),
         Kv::Bf16 => hgca_llm::full_attention::<bf16>()(layer, shape),
+    }
+}
+
+/// `llm` with its local layers' KV (Gemma 3's sliding windows) held as
+/// `kv`, like its global layers'.
+pub(crate) fn local_kv(llm: Llama, kv: Kv) -> Result<Llama> {
+    match kv {
+        Kv::F32 => llm.with_local_kv::<f32>(),
+        Kv::F16 => llm.with_local_kv::<f16>(),
+        Kv::Bf16 => llm.with_local_kv::<bf16>(),
     }
 }
 

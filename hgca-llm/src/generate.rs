@@ -7,7 +7,7 @@ use std::time::Instant;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
 
 use crate::cli::Cli;
-use crate::factory::full_factory;
+use crate::factory::{full_factory, local_kv};
 use crate::load::load;
 use crate::progress::bar;
 
@@ -63,7 +63,7 @@ pub(crate) fn cmd_generate(
             msg: "empty prompt".into(),
         });
     }
-    let mut llm = Llama::new(Arc::clone(&w), full_factory(cli.kv))?;
+    let mut llm = local_kv(Llama::new(Arc::clone(&w), full_factory(cli.kv))?, cli.kv)?;
     let t0 = Instant::now();
     let mut logits = llm.forward(&ids, Logits::Last)?;
     let prefill = t0.elapsed().as_secs_f64();

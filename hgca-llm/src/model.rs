@@ -62,6 +62,8 @@ pub struct Llama {
     followers: Vec<Vec<BoxedAttention>>,
     pos: usize,
     poisoned: bool,
+    /// The local layers' attention ([`Llama::with_local_kv`]).
+    local: LocalFactory,
     /// hgca's sparse FFN in place of candle's dense one, when set.
     ffn: Option<Arc<SparseFfn>>,
     /// Per layer, `|silu(gate)|` of every neuron and token of the dense FFN
@@ -106,10 +108,14 @@ fn rms_norm_in_place(r: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// The attention of a local layer: exact over its sliding window.
-fn local_attention(shape: AttnShape, window: usize) -> Result<BoxedAttention> {
-    Ok(Box::new(SlidingAttention::<f32>::new(shape, window, cpu_backend())?) as BoxedAttention)
+/// The attention of a local layer: exact over its sliding window, its KV
+/// held as `T`.
+fn local_attention<T: KvElem>(shape: AttnShape, window: usize) -> Result<BoxedAttention> {
+    Ok(Box::new(SlidingAttention::<T>::new(shape, window, cpu_backend())?) as BoxedAttention)
 }
+
+/// Makes a local layer's attention ([`local_attention`] for one KV type).
+type LocalFactory = fn(AttnShape, usize) -> Result<BoxedAttention>;
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
@@ -150,8 +156,9 @@ impl Llama {
     /// A new empty sequence; `attention(layer, shape)` makes the attention
     /// of each global layer. The local layers of a model with sliding
     /// windows (Gemma 3) get exact attention over their window
-    /// ([`SlidingAttention`], KV in f32: 1 MiB a layer for Gemma 3 270M),
-    /// the same whatever the variant.
+    /// ([`SlidingAttention`], KV in f32: 1 MiB a layer for Gemma 3 270M;
+    /// [`Llama::with_local_kv`] chooses another type), the same whatever
+    /// the variant.
     ///
     /// # Errors
     /// What `attention` returns.
@@ -162,7 +169,7 @@ impl Llama {
         let shape = weights.attn_shape()?;
         let attn = (0..weights.config.n_layers)
             .map(|l| match weights.config.local_window(l) {
-                Some(w) => local_attention(shape, w),
+                Some(w) => local_attention::<f32>(shape, w),
                 None => attention(l, shape),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -172,10 +179,36 @@ impl Llama {
             followers: Vec::new(),
             pos: 0,
             poisoned: false,
+            local: local_attention::<f32>,
             ffn: None,
             record: None,
             profile: None,
         })
+    }
+
+    /// The local layers' KV held as `T` (f32 by default; f16 halves the
+    /// bytes a decode step reads over the windows, as llama.cpp's f16
+    /// cache does): rebuilds them, and followers added after take the
+    /// same.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] once the sequence holds tokens or has
+    /// followers.
+    pub fn with_local_kv<T: KvElem>(mut self) -> Result<Self> {
+        if self.pos != 0 || !self.followers.is_empty() {
+            return Err(Error::invalid(
+                "with_local_kv",
+                "the local layers' KV type is chosen on an empty sequence without followers",
+            ));
+        }
+        self.local = local_attention::<T>;
+        let shape = self.weights.attn_shape()?;
+        for (l, a) in self.attn.iter_mut().enumerate() {
+            if let Some(w) = self.weights.config.local_window(l) {
+                *a = local_attention::<T>(shape, w)?;
+            }
+        }
+        Ok(self)
     }
 
     /// Adds an attention variant that follows this sequence: every later
@@ -208,7 +241,7 @@ impl Llama {
             .map(|l| match c.local_window(l) {
                 // Exact and the same for every variant: the lead's, copied
                 // at the split.
-                Some(w) => local_attention(shape, w),
+                Some(w) => (self.local)(shape, w),
                 None => attention(l, shape),
             })
             .collect::<Result<Vec<_>>>()?;
@@ -234,6 +267,7 @@ impl Llama {
                 followers: Vec::new(),
                 pos: self.pos,
                 poisoned: self.poisoned,
+                local: self.local,
                 ffn: self.ffn.clone(),
                 record: None,
                 profile: None,
@@ -258,6 +292,7 @@ impl Llama {
                 .collect(),
             pos: self.pos,
             poisoned: self.poisoned,
+            local: self.local,
             ffn: self.ffn.clone(),
             record: None,
             profile: self.profile.map(|_| Profile::default()),

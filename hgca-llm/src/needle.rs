@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::cli::{AttnKind, Cli};
-use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory};
+use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory, local_kv};
 use crate::load::load;
 use crate::progress::bar;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
@@ -128,7 +128,7 @@ pub(crate) fn cmd_needle(cli: &Cli, a: &NeedleArgs) -> Result<()> {
         let mut answers = Vec::new();
         let t0 = Instant::now();
         for (_, _, doc) in &docs {
-            let mut llm = match kind {
+            let llm = match kind {
                 AttnKind::Full => Llama::new(Arc::clone(&w), full_factory(cli.kv))?,
                 AttnKind::Hybrid => Llama::new(
                     Arc::clone(&w),
@@ -139,6 +139,7 @@ pub(crate) fn cmd_needle(cli: &Cli, a: &NeedleArgs) -> Result<()> {
                     ),
                 )?,
             };
+            let mut llm = local_kv(llm, cli.kv)?;
             for c in doc.chunks(a.chunk.max(1)) {
                 llm.forward(c, Logits::None)?;
                 pb.inc(c.len() as u64);

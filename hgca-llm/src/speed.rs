@@ -8,7 +8,7 @@ use std::time::Instant;
 use hgca_llm::{Error, Llama, Logits, Result, argmax};
 
 use crate::cli::{AttnKind, Cli};
-use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory};
+use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory, local_kv};
 use crate::load::{load, read_tokens};
 use crate::progress::bar;
 
@@ -31,7 +31,7 @@ pub(crate) fn cmd_speed(
     let count = Arc::new(Mutex::new(SelCount::default()));
     let (mut llm, what) = match attn {
         AttnKind::Full => (
-            Llama::new(Arc::clone(&w), full_factory(cli.kv))?,
+            local_kv(Llama::new(Arc::clone(&w), full_factory(cli.kv))?, cli.kv)?,
             "full attention".to_string(),
         ),
         AttnKind::Hybrid => {
@@ -45,7 +45,7 @@ pub(crate) fn cmd_speed(
             let window = spec.0.window;
             let f = hybrid_factory(cli.kv, spec, Arc::clone(&count));
             (
-                Llama::new(Arc::clone(&w), f)?,
+                local_kv(Llama::new(Arc::clone(&w), f)?, cli.kv)?,
                 format!("hybrid, window {window} ({ratio}), {recovery}"),
             )
         }

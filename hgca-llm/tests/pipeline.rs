@@ -613,6 +613,30 @@ fn fork_continues_bit_for_bit_and_alone() {
     }
 }
 
+/// The local layers' KV in f16 or bf16 (`Llama::with_local_kv`) gives
+/// logits within those types' rounding of the f32 cache's, not the same
+/// bits (the choice reaches the layers), on a prompt longer than the
+/// window; chosen once the sequence holds tokens, it is a typed error.
+#[test]
+fn local_kv_types_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let w = weights(&tiny(dir.path(), &gemma3_spec()), WeightFormat::F32);
+    let ids: Vec<u32> = (0..30u32).map(|i| (i * 17 + 3) % 250).collect();
+    let full = || Llama::with_full_attention::<f32>(Arc::clone(&w)).unwrap();
+    let la = full().forward(&ids, Logits::All).unwrap();
+    let mut b = full().with_local_kv::<hgca_kernels::f16>().unwrap();
+    let lb = b.forward(&ids, Logits::All).unwrap();
+    let mut c = full().with_local_kv::<hgca_kernels::bf16>().unwrap();
+    let lc = c.forward(&ids, Logits::All).unwrap();
+    assert!(max_rel_diff(&la, &lb) < 1e-2);
+    assert!(max_rel_diff(&la, &lc) < 5e-2);
+    assert_ne!(la, lb);
+    assert!(matches!(
+        b.with_local_kv::<f32>(),
+        Err(Error::Invalid { .. })
+    ));
+}
+
 /// A tiny Gemma 3: five local layers (sliding window of 8) and a global one.
 fn gemma3_spec() -> SynthSpec {
     SynthSpec {

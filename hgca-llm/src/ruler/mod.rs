@@ -25,7 +25,9 @@ use hgca_llm::{BoxedAttention, Error, GgufTokenizer, Llama, LlamaWeights, Logits
 use serde_json::{Value, json};
 
 use crate::cli::Cli;
-use crate::factory::{SelCount, full_factory, hybrid_config, hybrid_factory, parse_recovery};
+use crate::factory::{
+    SelCount, full_factory, hybrid_config, hybrid_factory, local_kv, parse_recovery,
+};
 use crate::load::load;
 use crate::progress::bar;
 use tasks::Doc;
@@ -400,9 +402,12 @@ fn run_context(
         let count_of = |cells: &mut HashMap<(Task, usize), Cell>, vi: usize| {
             Arc::clone(&cells.entry((task, vi)).or_default().count)
         };
-        let mut lead = Llama::new(
-            Arc::clone(w),
-            factory(&variants[0], &count_of(&mut cells, 0))?,
+        let mut lead = local_kv(
+            Llama::new(
+                Arc::clone(w),
+                factory(&variants[0], &count_of(&mut cells, 0))?,
+            )?,
+            cli.kv,
         )?;
         for (vi, v) in variants.iter().enumerate().skip(1) {
             lead.follow(factory(v, &count_of(&mut cells, vi))?)?;
