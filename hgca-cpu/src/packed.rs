@@ -596,7 +596,10 @@ mod x86 {
             }
         }
         let f = _mm512_set1_ps(offset_factor(B::KIND));
-        core::array::from_fn(|t| _mm512_fmadd_ps(f, off[t], acc[t]))
+        for (a, o) in acc.iter_mut().zip(off) {
+            *a = _mm512_fmadd_ps(f, o, *a);
+        }
+        acc
     }
 
     /// Token `t`'s sums `v` of a row group into `o` (`[rows, n]` for the
