@@ -325,7 +325,29 @@ macro_rules! isa_suite {
                 fn qmatvec_matches_the_reference(
                     rows in 1usize..150,
                     blocks in 1usize..12,
-                    n in 1usize..24,
+                    n in 1usize..5,
+                    seed in any::<u64>(),
+                ) {
+                    for par in [Par::Seq, Par::Rayon(3)] {
+                        if let Some(b) = backend($kind, par) {
+                            let r = all_formats(&b, rows, 32 * blocks, n, seed);
+                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                        }
+                    }
+                }
+            }
+
+            proptest! {
+                #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+
+                /// Prefill-sized calls (the packed kernel's token tiles of
+                /// four and, from 16 tokens, its tasks of tokens), on
+                /// small matrices of the 32-value formats.
+                #[test]
+                fn qmatvec_of_many_tokens_matches_the_reference(
+                    rows in 1usize..40,
+                    blocks in 1usize..4,
+                    n in 5usize..40,
                     seed in any::<u64>(),
                 ) {
                     for par in [Par::Seq, Par::Rayon(3)] {
