@@ -53,18 +53,9 @@ pub const GROUP: usize = 16;
 /// (prefill chunks) instead of row groups (decoding).
 const TOKEN_SPLIT: usize = 16;
 
-mod sealed {
-    pub trait Sealed {}
-    impl Sealed for hgca_kernels::BlockQ4_0 {}
-    impl Sealed for hgca_kernels::BlockQ4_1 {}
-    impl Sealed for hgca_kernels::BlockQ5_0 {}
-    impl Sealed for hgca_kernels::BlockQ8_0 {}
-    impl Sealed for hgca_kernels::BlockQ4K {}
-    impl Sealed for hgca_kernels::BlockQ6K {}
-}
-
-/// A GGUF format that [`PackedRows`] repacks.
-pub trait PackBlock: DotBlock + sealed::Sealed {
+/// A GGUF format that [`PackedRows`] repacks (every [`DotBlock`]; sealed
+/// as that trait is).
+pub trait PackBlock: DotBlock {
     /// Bytes of one 32-value column of a row group.
     const COLUMN_BYTES: usize;
     /// Bytes of a row group's super-block header.

@@ -132,6 +132,11 @@ fn merge_runs(parts: Vec<QTensor>) -> Result<Vec<QTensor>> {
         .collect()
 }
 
+/// GGUF's bytes of a `[rows, k]` matrix repacked ([`PackedRows`]).
+fn packed<B: hgca_cpu::PackBlock>(b: &[u8], rows: usize, k: usize) -> Result<PackedRows<B>> {
+    Ok(PackedRows::new(&pod_vec::<B>(b), rows, k)?)
+}
+
 /// GGUF's bytes as blocks (copied: the bytes need not be aligned).
 fn pod_vec<B: bytemuck::Pod>(b: &[u8]) -> Vec<B> {
     b.chunks_exact(size_of::<B>())
@@ -146,24 +151,12 @@ impl NativePart {
         let pack = path == hgca_cpu::QDotPath::Avx512Vnni;
         let blocks = |dtype: GgmlDType, b: &[u8]| -> Result<HgcaRows> {
             Ok(match dtype {
-                GgmlDType::Q4_0 if pack => {
-                    HgcaRows::PackedQ4_0(PackedRows::new(&pod_vec::<BlockQ4_0>(b), rows, k)?)
-                }
-                GgmlDType::Q4_1 if pack => {
-                    HgcaRows::PackedQ4_1(PackedRows::new(&pod_vec::<BlockQ4_1>(b), rows, k)?)
-                }
-                GgmlDType::Q5_0 if pack => {
-                    HgcaRows::PackedQ5_0(PackedRows::new(&pod_vec::<BlockQ5_0>(b), rows, k)?)
-                }
-                GgmlDType::Q8_0 if pack => {
-                    HgcaRows::PackedQ8_0(PackedRows::new(&pod_vec::<BlockQ8_0>(b), rows, k)?)
-                }
-                GgmlDType::Q4K if pack => {
-                    HgcaRows::PackedQ4K(PackedRows::new(&pod_vec::<BlockQ4K>(b), rows, k)?)
-                }
-                GgmlDType::Q6K if pack => {
-                    HgcaRows::PackedQ6K(PackedRows::new(&pod_vec::<BlockQ6K>(b), rows, k)?)
-                }
+                GgmlDType::Q4_0 if pack => HgcaRows::PackedQ4_0(packed(b, rows, k)?),
+                GgmlDType::Q4_1 if pack => HgcaRows::PackedQ4_1(packed(b, rows, k)?),
+                GgmlDType::Q5_0 if pack => HgcaRows::PackedQ5_0(packed(b, rows, k)?),
+                GgmlDType::Q8_0 if pack => HgcaRows::PackedQ8_0(packed(b, rows, k)?),
+                GgmlDType::Q4K if pack => HgcaRows::PackedQ4K(packed(b, rows, k)?),
+                GgmlDType::Q6K if pack => HgcaRows::PackedQ6K(packed(b, rows, k)?),
                 GgmlDType::Q4_0 => HgcaRows::Q4_0(pod_vec(b)),
                 GgmlDType::Q4_1 => HgcaRows::Q4_1(pod_vec(b)),
                 GgmlDType::Q5_0 => HgcaRows::Q5_0(pod_vec(b)),
