@@ -7,9 +7,12 @@
 //! share does not settle in the cache either), weights f16, Q8_0, Q4_0 and
 //! Q5_0 (Qwen2's gate and up format); the block formats also with the token
 //! quantised to Q8_0 for the gate and up rows (`sparse_ffn_q8`, id suffix
-//! `+q8`); 1 and 2 threads.
+//! `+q8`); 1 and 2 threads. Each neuron's gate, up and down rows lie side
+//! by side (`FfnWeights::interleaved`, as a hybrid FFN holds its cold
+//! neurons); the 10% lists also run over three separate matrices (id
+//! suffix `-3m`).
 //!
-//! Ids: `ffn/{isa}/{format}/list{pct}-t{threads}`. GB/s counts the bytes
+//! Ids: `ffn/{isa}/{format}/list{pct}-t{threads}[-3m]`. GB/s counts the bytes
 //! of the active neurons' three rows (the bytes the kernel must read);
 //! "% of probe" compares it with the streaming read probe measured in the
 //! same run (the target: >= 60%).
@@ -89,20 +92,39 @@ fn run<W: WeightElem>(
                     .collect()
             })
             .collect();
-        let weights: Vec<FfnWeights<'_, W>> = ws
+        // Each neuron's three rows side by side (as `FfnOwned` holds a
+        // split's cold neurons), and, for the 10% lists, three matrices
+        // (ids ending `-3m`).
+        let row = D / W::VALUES;
+        let rows: Vec<Vec<W>> = ws
+            .iter()
+            .map(|[g, u, d]| FfnWeights::interleave(NFF, row, g, u, d).expect("lengths"))
+            .collect();
+        let interleaved: Vec<FfnWeights<'_, W>> = rows
+            .iter()
+            .map(|r| FfnWeights::interleaved(D, NFF, r).expect("lengths"))
+            .collect();
+        let separate: Vec<FfnWeights<'_, W>> = ws
             .iter()
             .map(|[g, u, d]| FfnWeights::new(D, NFF, g, u, d).expect("lengths"))
             .collect();
+        let mut layouts = vec![("", &interleaved)];
+        if pct == 10 {
+            layouts.push(("-3m", &separate));
+        }
         let count: usize = lists.iter().map(Vec::len).sum();
-        let bytes = (count * weights[0].neuron_bytes() / LISTS) as u64;
+        let bytes = (count * separate[0].neuron_bytes() / LISTS) as u64;
         let set: usize = ws
             .iter()
             .map(|w| w.iter().map(|m| m.len() * size_of::<W>()).sum::<usize>())
             .sum();
-        for &(suffix, call) in calls {
+        for ((suffix, call), (layout, weights)) in calls
+            .iter()
+            .flat_map(|c| layouts.iter().map(move |l| (c, l)))
+        {
             for threads in [1usize, 2] {
                 let cpu = CpuBackend::new().with_par(par(threads)).expect("pool");
-                let id = format!("ffn/{isa}/{}{suffix}/list{pct}-t{threads}", W::NAME);
+                let id = format!("ffn/{isa}/{}{suffix}/list{pct}-t{threads}{layout}", W::NAME);
                 let (mut layer, mut list) = (0, 0);
                 rep.bench(crit, "ffn", &id, (bytes, set, threads), || {
                     layer = (layer + 1) % LAYERS;

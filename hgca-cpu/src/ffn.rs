@@ -568,12 +568,7 @@ impl Ids<'_> {
 /// Neuron `i`'s gate, up and down rows.
 #[inline(always)]
 fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
-    let r = w.row_len();
-    [
-        &w.gate[i * r..(i + 1) * r],
-        &w.up[i * r..(i + 1) * r],
-        &w.down_t[i * r..(i + 1) * r],
-    ]
+    w.rows(i)
 }
 
 /// Bytes of rows the prefetches run ahead of the computation: a DRAM
@@ -987,13 +982,8 @@ impl DenseFfnBackend for CpuBackend {
     type Resident = FfnOwned<f16>;
 
     fn upload_ffn(&self, w: &FfnWeights<'_, f16>) -> Result<Self::Resident> {
-        FfnOwned::new(
-            w.d_model,
-            w.n_ff,
-            w.gate.to_vec(),
-            w.up.to_vec(),
-            w.down_t.to_vec(),
-        )
+        let [g, u, d] = w.matrices().map(|m| m.into_owned());
+        FfnOwned::new(w.d_model, w.n_ff, g, u, d)
     }
 
     fn dense_ffn(

@@ -1,7 +1,9 @@
 //! The sparse FFN kernel against hgca-ref (f64), for every ISA the machine
 //! has and every weight format: proptest over shapes, active sets, tokens
 //! and both activations, a table of edge shapes, the partition identity
-//! (hot + cold = all), and typed errors for bad input.
+//! (hot + cold = all), and typed errors for bad input. Every case also
+//! runs on the same rows interleaved ([`FfnWeights::interleaved`]), which
+//! must give the same bits.
 
 use hgca_cpu::{CpuBackend, DotBlock, FfnStats, Par};
 use hgca_kernels::{
@@ -75,6 +77,22 @@ fn case_with<W: TestWeight>(
             .collect();
     }
     let w = p.weights().map_err(|e| e.to_string())?;
+    // The same neurons with each one's three rows side by side: the same
+    // arithmetic in the same order, so the same bits.
+    let rows = FfnWeights::interleave(n_ff, w.row_len(), w.gate, w.up, w.down_t)
+        .map_err(|e| e.to_string())?;
+    let wi = FfnWeights::interleaved(w.d_model, n_ff, &rows).map_err(|e| e.to_string())?;
+    let run = |w: &FfnWeights<'_, W>, x: &[f32], nr: Neurons<'_>, o: &mut [f32]| {
+        let st = run(w, x, nr, o)?;
+        let mut oi = vec![f32::NAN; o.len()];
+        let sti = run(&wi, x, nr, &mut oi)?;
+        let same = o.iter().zip(&oi).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same && (st.active, st.rows) == (sti.active, sti.rows),
+            "interleaved rows differ: {oi:?} ({sti:?}) against {o:?} ({st:?})"
+        );
+        Ok::<_, hgca_kernels::Error>(st)
+    };
     let mut rng = Rng::new(seed ^ 77);
     let mut out = vec![f32::NAN; n * d];
     let (sets, st) = if threshold {
@@ -290,6 +308,22 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
     let q = FfnProblem::<BlockQ8_0>::random(32, 2, 1, 1);
     assert!(matches!(
         hgca_kernels::FfnWeights::new(16, 2, &q.gate[..1], &q.up[..1], &q.down_t[..1]),
+        Err(Error::Param { .. })
+    ));
+    // Interleaved rows of the wrong length, or a block width not whole.
+    assert!(matches!(
+        FfnWeights::interleaved(8, 10, &vec![0.0f32; 3 * 80 - 1]),
+        Err(Error::Length {
+            what: "interleaved rows",
+            ..
+        })
+    ));
+    assert!(matches!(
+        FfnWeights::interleave(10, 8, &p.gate, short, &p.down_t),
+        Err(Error::Length { what: "up", .. })
+    ));
+    assert!(matches!(
+        FfnWeights::interleaved(16, 2, &[q.gate[0]; 3]),
         Err(Error::Param { .. })
     ));
     // An empty list computes nothing: zeros.

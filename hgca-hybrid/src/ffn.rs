@@ -213,7 +213,8 @@ fn to_f16<W: WeightElem>(w: &FfnWeights<'_, W>) -> Result<FfnOwned<f16>> {
         W::dequant_slice(m, &mut f);
         f.iter().map(|&v| f16::from_f32(v)).collect::<Vec<f16>>()
     };
-    FfnOwned::new(w.d_model, w.n_ff, conv(w.gate), conv(w.up), conv(w.down_t))
+    let [g, u, d] = w.matrices();
+    FfnOwned::new(w.d_model, w.n_ff, conv(&g), conv(&u), conv(&d))
 }
 
 fn check_threshold(t: f32) -> Result<()> {

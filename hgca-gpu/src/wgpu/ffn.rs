@@ -73,7 +73,7 @@ impl DenseFfnBackend for WgpuBackend {
             });
         }
         let bufs = self.scoped(|| {
-            [w.gate, w.up, w.down_t].map(|m| {
+            w.matrices().map(|m| {
                 let b = self.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some("hgca ffn weights"),
                     size: bytes,
@@ -81,7 +81,7 @@ impl DenseFfnBackend for WgpuBackend {
                     mapped_at_creation: false,
                 });
                 self.queue
-                    .write_buffer(&b, 0, bytemuck::cast_slice(&pack_rows(m, d, rw)));
+                    .write_buffer(&b, 0, bytemuck::cast_slice(&pack_rows(&m, d, rw)));
                 b
             })
         })?;
