@@ -610,7 +610,7 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
     /// side: `rows` is `[n_ff, 3, row]` (see [`FfnWeights::interleave`]).
     /// A neuron of a sparse set is then one contiguous read of
     /// [`FfnWeights::neuron_bytes`]: on scattered active lists from DRAM
-    /// that read 1.4x faster than three rows in three matrices (README).
+    /// that read up to 1.4x faster than three rows in three matrices (README).
     ///
     /// ```
     /// use hgca_kernels::FfnWeights;
