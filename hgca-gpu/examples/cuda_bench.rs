@@ -6,6 +6,10 @@
 //!
 //! Decode: q_heads 32 / kv_heads 8, d = 128, f16 KV, windows of 4k..256k
 //! tokens. Merge: two partials of an append chunk of 4096 tokens x 32 heads.
+//! Dense FFN (a hybrid FFN's hot neurons, f16 weights): Qwen2.5-0.5B's and
+//! Llama-3-8B's shapes, 1..128 tokens, the whole call as a caller sees it
+//! (tokens up, result down, host clock) and the kernels alone (events),
+//! per-token and tiled, weight bytes per second.
 //! Prints GB/s and the fraction of the copy bandwidth; with `OUT` set, also
 //! writes `$OUT/cuda_bench.csv`.
 
@@ -113,6 +117,71 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "merge,{rows},{bytes},{t:.3e},{gbs:.1},{:.3}",
         gbs / copy_gbs
     )?;
+
+    {
+        use hgca_kernels::{DenseFfnBackend, FfnAct, FfnWeights, f16};
+        println!(
+            "dense FFN, f16 weights: call = dense_ffn as a caller sees it (host clock, median \
+             of 30, transfers included); kernels = CUDA events, no transfers, per-token and \
+             tiled kernels; GB/s and GFLOP/s of the faster kernels"
+        );
+        println!(
+            "{:>6} {:>6} {:>6} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>9}",
+            "d",
+            "n_ff",
+            "tokens",
+            "MB",
+            "call us",
+            "token us",
+            "tiled us",
+            "GB/s",
+            "of copy",
+            "GFLOP/s"
+        );
+        for (d, n_ff) in [(896usize, 4864usize), (4096, 14336)] {
+            let m: Vec<f16> = (0..d * n_ff).map(|_| f16::from_f32(0.05 * rnd())).collect();
+            let fw = FfnWeights::new(d, n_ff, &m, &m, &m)?;
+            let r = b.upload_ffn(&fw)?;
+            let bytes = 3 * d * n_ff * 2;
+            for n in [1usize, 2, 3, 4, 8, 16, 128] {
+                let x: Vec<f32> = (0..n * d).map(|_| rnd()).collect();
+                let mut out = vec![0f32; n * d];
+                for _ in 0..3 {
+                    b.dense_ffn(FfnAct::Silu, &r, &x, n, &mut out)?;
+                }
+                let mut ts: Vec<f64> = (0..30)
+                    .map(|_| {
+                        let t0 = std::time::Instant::now();
+                        b.dense_ffn(FfnAct::Silu, &r, &x, n, &mut out)
+                            .map(|()| t0.elapsed().as_secs_f64())
+                    })
+                    .collect::<Result<_, _>>()?;
+                ts.sort_by(f64::total_cmp);
+                let call = ts[ts.len() / 2];
+                let per_token = b.time_ffn(&r, &x, n, false, 20)?;
+                let tiled = b.time_ffn(&r, &x, n, true, 20)?;
+                let t = per_token.min(tiled);
+                let gbs = bytes as f64 / t / 1e9;
+                let gflops = 6.0 * (n * d * n_ff) as f64 / t / 1e9;
+                println!(
+                    "{d:>6} {n_ff:>6} {n:>6} {:>8.1} {:>10.1} {:>10.1} {:>10.1} {gbs:>8.1} {:>7.0}% {gflops:>9.1}",
+                    bytes as f64 / 1e6,
+                    call * 1e6,
+                    per_token * 1e6,
+                    tiled * 1e6,
+                    100.0 * gbs / copy_gbs
+                );
+                for (path, tk) in [("call", call), ("token", per_token), ("tiled", tiled)] {
+                    writeln!(
+                        csv,
+                        "ffn_f16_d{d}_nff{n_ff}_{path},{n},{bytes},{tk:.3e},{:.1},{:.3}",
+                        bytes as f64 / tk / 1e9,
+                        bytes as f64 / tk / 1e9 / copy_gbs
+                    )?;
+                }
+            }
+        }
+    }
 
     if let Some(out) = std::env::var_os("OUT") {
         let path = std::path::Path::new(&out).join("cuda_bench.csv");

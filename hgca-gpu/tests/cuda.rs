@@ -7,7 +7,11 @@
 //! - `suite::*`: hgca-testkit's `dense_backend_suite!` on a real GPU, and
 //!   `gpu_*`, what only CUDA has. Without a driver or a device they skip with
 //!   a printed reason, unless `cuda` is listed (`scripts/gpu-check.sh`).
+//! - `gpu_*ffn*`: the dense FFN (a hybrid FFN's hot neurons) against
+//!   hgca-ref, and a hybrid FFN with CUDA as its dense side.
 #![cfg(feature = "cuda")]
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -250,4 +254,34 @@ fn gpu_dense_long_window() {
     for dtype in DType::ALL {
         check_dense(b, shape, dtype, 3000, 5000, 512, 700, 10.0, 7).unwrap();
     }
+}
+
+/// The dense FFN against hgca-ref: the shared edge table (one and several
+/// splits of the down pass), Qwen2's width over a decode step and a prompt
+/// chunk, partial tiles of 8 tokens, more tokens than one launch takes
+/// (65,535); typed errors; weights of another instance refused.
+#[test]
+fn gpu_dense_ffn_matches_the_reference() {
+    let Some(b) = gpu() else { return };
+    let Some(other) = other_gpu() else { return };
+    hgca_testkit::ffn::check_dense_ffn_backend(
+        b,
+        other,
+        &[
+            (896, 4864, 1),
+            (896, 4864, 9),
+            (300, 700, 16),
+            (130, 129, 17),
+            (8, 4, 66_000),
+            (3, 1000, 2),
+        ],
+    )
+    .unwrap();
+}
+
+/// A hybrid FFN with its hot neurons on the GPU equals the dense reference.
+#[test]
+fn gpu_hybrid_ffn_with_the_cuda_dense_side() {
+    let Some(b) = gpu() else { return };
+    common::hybrid_ffn_dense_side(b);
 }

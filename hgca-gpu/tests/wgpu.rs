@@ -7,6 +7,8 @@
 //! (`hgca_testkit::require`). Few proptest cases: lavapipe is slow.
 #![cfg(feature = "wgpu")]
 
+mod common;
+
 use std::sync::OnceLock;
 
 use hgca_gpu::wgpu::{MAX_HEAD_DIM, WgpuBackend, WgpuOptions};
@@ -258,42 +260,14 @@ hgca_testkit::dense_backend_suite! {
 /// refused.
 #[test]
 fn dense_ffn_matches_the_reference() {
-    use hgca_kernels::{DenseFfnBackend, FfnAct};
-    use hgca_testkit::ffn::{DENSE_FFN_EDGE, FfnProblem, check_dense_ffn, check_dense_ffn_errors};
     let b = need!(backend());
-    for (k, &(d, n_ff, n)) in DENSE_FFN_EDGE.iter().enumerate() {
-        for act in [FfnAct::Silu, FfnAct::Relu] {
-            check_dense_ffn(b, act, d, n_ff, n, 300 + k as u64).unwrap();
-        }
-    }
-    check_dense_ffn_errors(b).unwrap();
-    let p = FfnProblem::<f16>::random(16, 4, 1, 5);
-    let w = b.upload_ffn(&p.weights().unwrap()).unwrap();
-    let mut out = vec![0.0f32; 16];
     let other = need!(other_backend());
-    assert!(matches!(
-        other.dense_ffn(FfnAct::Silu, &w, &p.x, 1, &mut out),
-        Err(Error::ForeignObject { .. })
-    ));
+    hgca_testkit::ffn::check_dense_ffn_backend(b, other, &[]).unwrap();
 }
 
 /// A hybrid FFN whose hot neurons run on the GPU equals the reference over
 /// hot and passing cold neurons (threshold 0: the dense FFN).
 #[test]
 fn hybrid_ffn_with_the_gpu_dense_side() {
-    use hgca_hybrid::HybridFfn;
-    use hgca_kernels::FfnAct;
-    use hgca_testkit::ffn::FfnProblem;
-    let b = need!(backend());
-    let (d, n_ff, n) = (96, 200, 3);
-    let p = FfnProblem::<f16>::random(d, n_ff, n, 8);
-    let w = p.weights().unwrap();
-    let hot: Vec<u32> = (0..n_ff as u32).filter(|i| i % 3 == 0).collect();
-    let ffn = HybridFfn::new(b, hgca_cpu::CpuBackend::new(), FfnAct::Silu, &w, &hot, 0.0).unwrap();
-    let mut out = vec![f32::NAN; n * d];
-    let st = ffn.forward(&p.x, n, &mut out).unwrap();
-    assert_eq!(st.hot, hot.len() * n);
-    assert_eq!(st.cold.active, (n_ff - hot.len()) * n);
-    let all: Vec<usize> = (0..n_ff).collect();
-    p.check(FfnAct::Silu, &vec![all; n], &out).unwrap();
+    common::hybrid_ffn_dense_side(need!(backend()));
 }

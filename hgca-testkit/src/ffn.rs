@@ -235,6 +235,36 @@ pub fn check_dense_ffn_errors<B: DenseFfnBackend>(b: &B) -> std::result::Result<
     Ok(())
 }
 
+/// The dense side's whole check: every shape of [`DENSE_FFN_EDGE`] and
+/// `extra` in both activations against the reference, the typed errors of
+/// [`check_dense_ffn_errors`], and weights made resident by `b` refused by
+/// `other` (another instance) with [`hgca_kernels::Error::ForeignObject`].
+///
+/// # Errors
+/// The first failure, as a message.
+pub fn check_dense_ffn_backend<B: DenseFfnBackend>(
+    b: &B,
+    other: &B,
+    extra: &[(usize, usize, usize)],
+) -> std::result::Result<(), String> {
+    for (k, &(d, n_ff, n)) in DENSE_FFN_EDGE.iter().chain(extra).enumerate() {
+        for act in [FfnAct::Silu, FfnAct::Relu] {
+            check_dense_ffn(b, act, d, n_ff, n, 300 + k as u64)?;
+        }
+    }
+    check_dense_ffn_errors(b)?;
+    let p = FfnProblem::<f16>::random(16, 4, 1, 5);
+    let w = p.weights().map_err(|e| e.to_string())?;
+    let r = b.upload_ffn(&w).map_err(|e| hgca_kernels::report(&e))?;
+    let mut out = vec![0.0f32; 16];
+    match other.dense_ffn(FfnAct::Silu, &r, &p.x, 1, &mut out) {
+        Err(hgca_kernels::Error::ForeignObject { .. }) => Ok(()),
+        res => Err(format!(
+            "weights of another instance: {res:?}, want ForeignObject"
+        )),
+    }
+}
+
 /// A random subset of `0..n` (about `share` of it), in random order: an
 /// active list, or a hot set.
 pub fn random_subset(rng: &mut Rng, n: usize, share: f64) -> Vec<u32> {

@@ -15,7 +15,8 @@ use super::spec::KernelSpec;
 #[cfg(feature = "bench-timers")]
 use super::launch::CopyKernel;
 use super::launch::{
-    Append, DecodeCombine, DecodeSplit, DecodeWeights, EvictGather, Merge, RingWrite,
+    Append, DecodeCombine, DecodeSplit, DecodeWeights, EvictGather, FfnDown, FfnDownSum,
+    FfnDownTiled, FfnGateUp, FfnGateUpTiled, Merge, RingWrite,
 };
 use super::{backend::*, nvrtc::*};
 
@@ -35,6 +36,16 @@ pub(super) struct AttnFns {
     pub(super) evict: EvictGather,
 }
 
+/// The functions of the loaded FFN module.
+#[derive(Debug)]
+pub(super) struct FfnFns {
+    pub(super) gate_up: FfnGateUp,
+    pub(super) down: FfnDown,
+    pub(super) gate_up_tiled: FfnGateUpTiled,
+    pub(super) down_tiled: FfnDownTiled,
+    pub(super) down_sum: FfnDownSum,
+}
+
 #[derive(Debug)]
 pub(super) struct Device {
     pub(super) ctx: Arc<CudaContext>,
@@ -48,6 +59,8 @@ pub(super) struct Device {
     #[cfg(feature = "bench-timers")]
     pub(super) copy_fn: CopyKernel,
     pub(super) attn: Mutex<HashMap<KernelSpec, Arc<AttnFns>>>,
+    /// The FFN module, compiled and loaded on first use.
+    pub(super) ffn: Mutex<Option<Arc<FfnFns>>>,
     pub(super) pinned: Mutex<Vec<PinnedHostSlice<f32>>>,
 }
 
@@ -82,6 +95,25 @@ impl Device {
             .lock()
             .map_err(|_| poisoned())?
             .insert(spec, fns.clone());
+        Ok(fns)
+    }
+
+    /// The FFN kernels, compiled and loaded on the first call.
+    pub(super) fn ffn(&self) -> Result<Arc<FfnFns>> {
+        let mut slot = self.ffn.lock().map_err(|_| poisoned())?;
+        if let Some(f) = slot.as_ref() {
+            return Ok(f.clone());
+        }
+        let ptx = cached_ptx(super::spec::FFN_CU, self.cc)?;
+        let module = self.ctx.load_module(Ptx::from_src(ptx)).map_err(drv)?;
+        let fns = Arc::new(FfnFns {
+            gate_up: FfnGateUp::load(&module)?,
+            down: FfnDown::load(&module)?,
+            gate_up_tiled: FfnGateUpTiled::load(&module)?,
+            down_tiled: FfnDownTiled::load(&module)?,
+            down_sum: FfnDownSum::load(&module)?,
+        });
+        *slot = Some(fns.clone());
         Ok(fns)
     }
 

@@ -15,8 +15,9 @@ use super::backend::BACKEND;
 #[cfg(feature = "bench-timers")]
 use super::spec::COPY_KERNEL;
 use super::spec::{
-    APPEND_KERNEL, COMBINE_KERNEL, DECODE_KERNEL, EVICT_KERNEL, MERGE_KERNEL, RING_WRITE_KERNEL,
-    WEIGHTS_KERNEL,
+    APPEND_KERNEL, COMBINE_KERNEL, DECODE_KERNEL, EVICT_KERNEL, FFN_DOWN_KERNEL,
+    FFN_DOWN_SUM_KERNEL, FFN_DOWN_TILED_KERNEL, FFN_GATE_UP_KERNEL, FFN_GATE_UP_TILED_KERNEL,
+    MERGE_KERNEL, RING_WRITE_KERNEL, WEIGHTS_KERNEL,
 };
 
 macro_rules! kernels {
@@ -105,6 +106,24 @@ kernels! {
     Merge(MergeArgs) = MERGE_KERNEL {
         parts_o: u64, parts_lse: u64, out: u64, lse: u64, n_parts: i32, rows: i32, d: i32,
     }
+    /// The dense FFN's gate and up rows against the tokens (ffn.cu).
+    FfnGateUp(FfnGateUpArgs) = FFN_GATE_UP_KERNEL {
+        gate: u64, up: u64, x: u64, h: u64, n: i32, n_ff: i32, d: i32, rw: i32, act: i32,
+    }
+    /// The dense FFN's down rows, a partial sum per split of the neurons.
+    FfnDown(FfnDownArgs) = FFN_DOWN_KERNEL {
+        down: u64, h: u64, part: u64, n: i32, n_ff: i32, d: i32, rw: i32, chunk: i32,
+    }
+    /// [`FfnGateUp`] over tiles of tokens (the same arguments).
+    FfnGateUpTiled(FfnGateUpTiledArgs) = FFN_GATE_UP_TILED_KERNEL {
+        gate: u64, up: u64, x: u64, h: u64, n: i32, n_ff: i32, d: i32, rw: i32, act: i32,
+    }
+    /// [`FfnDown`] over tiles of tokens (the same arguments).
+    FfnDownTiled(FfnDownTiledArgs) = FFN_DOWN_TILED_KERNEL {
+        down: u64, h: u64, part: u64, n: i32, n_ff: i32, d: i32, rw: i32, chunk: i32,
+    }
+    /// The sum of the down pass's splits.
+    FfnDownSum(FfnDownSumArgs) = FFN_DOWN_SUM_KERNEL {part: u64, out: u64, splits: i32, len: i64}
 }
 
 #[cfg(feature = "bench-timers")]
@@ -116,7 +135,7 @@ kernels! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{ATTENTION_CU, MERGE_CU};
+    use crate::cuda::{ATTENTION_CU, FFN_CU, MERGE_CU};
 
     /// The parameters of `name`'s definition in `src`, as (name, Rust type).
     fn signature(src: &str, name: &str) -> Vec<(String, &'static str)> {
@@ -171,6 +190,11 @@ mod tests {
         check(ATTENTION_CU, RingWrite::NAME, RingWrite::ARGS);
         check(ATTENTION_CU, EvictGather::NAME, EvictGather::ARGS);
         check(MERGE_CU, Merge::NAME, Merge::ARGS);
+        check(FFN_CU, FfnGateUp::NAME, FfnGateUp::ARGS);
+        check(FFN_CU, FfnDown::NAME, FfnDown::ARGS);
+        check(FFN_CU, FfnGateUpTiled::NAME, FfnGateUpTiled::ARGS);
+        check(FFN_CU, FfnDownTiled::NAME, FfnDownTiled::ARGS);
+        check(FFN_CU, FfnDownSum::NAME, FfnDownSum::ARGS);
         #[cfg(feature = "bench-timers")]
         check(MERGE_CU, CopyKernel::NAME, CopyKernel::ARGS);
     }

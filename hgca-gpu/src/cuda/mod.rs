@@ -20,6 +20,10 @@
 //!   `half`), upload, and scatter into the ring on the compute stream;
 //!   evictions gather the oldest tokens head-major on a second stream and
 //!   copy them to pinned host memory, overlapping queued compute.
+//! - **FFN** (a hybrid FFN's hot neurons, [`hgca_kernels::DenseFfnBackend`]):
+//!   f16 weights resident as rows of f16 pairs; a warp per (token, neuron)
+//!   for the gate and up rows, then the down rows in splits of the neurons
+//!   summed in a fixed order.
 //! - **Merge**: the LSE merge with the special values of [`hgca_kernels::merge()`].
 //!
 //! Without the `cuda` feature, [`CudaBackend::new`] returns
@@ -42,6 +46,8 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
+mod ffn;
+#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
 mod merge;
@@ -55,6 +61,8 @@ mod window;
 pub use attention::CudaPending;
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
+#[cfg(feature = "cuda")]
+pub use ffn::CudaFfn;
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile_ptx, driver_available, nvrtc_available};
 #[cfg(feature = "cuda")]

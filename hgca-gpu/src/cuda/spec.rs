@@ -16,7 +16,23 @@ pub const MERGE_CU: &str = include_str!("merge.cu");
 /// neurons; f16 weights).
 pub const FFN_CU: &str = include_str!("ffn.cu");
 /// Entry points of [`FFN_CU`].
-pub const FFN_KERNELS: [&str; 2] = ["hgca_ffn_gate_up", "hgca_ffn_down"];
+pub const FFN_KERNELS: [&str; 5] = [
+    FFN_GATE_UP_KERNEL,
+    FFN_DOWN_KERNEL,
+    FFN_GATE_UP_TILED_KERNEL,
+    FFN_DOWN_TILED_KERNEL,
+    FFN_DOWN_SUM_KERNEL,
+];
+/// The FFN's gate and up pass, a warp per (token, neuron).
+pub const FFN_GATE_UP_KERNEL: &str = "hgca_ffn_gate_up";
+/// The FFN's down pass per token (partial sums per split of the neurons).
+pub const FFN_DOWN_KERNEL: &str = "hgca_ffn_down";
+/// The FFN's gate and up pass over tiles of tokens (prompt chunks).
+pub const FFN_GATE_UP_TILED_KERNEL: &str = "hgca_ffn_gate_up_tiled";
+/// The FFN's down pass over tiles of tokens.
+pub const FFN_DOWN_TILED_KERNEL: &str = "hgca_ffn_down_tiled";
+/// The sum of the down pass's splits.
+pub const FFN_DOWN_SUM_KERNEL: &str = "hgca_ffn_down_sum";
 
 /// The split-K decode kernel, the one that must never spill.
 pub const DECODE_KERNEL: &str = "hgca_decode_split";

@@ -143,3 +143,41 @@ impl CudaBackend {
         Ok((memcpy, kernel))
     }
 }
+
+impl CudaBackend {
+    /// Seconds per dense FFN call's kernels (no transfers) of `n` tokens
+    /// `x` on `w`, with the tiled kernels or the per-token ones, averaged
+    /// over `iters` calls after one warm-up. For benchmarks.
+    ///
+    /// # Errors
+    /// [`Error::Length`] for a wrong `x`, [`Error::Zero`] for zero tokens,
+    /// neurons, columns or `iters`, [`Error::ForeignObject`], backend errors.
+    pub fn time_ffn(
+        &self,
+        w: &super::CudaFfn,
+        x: &[f32],
+        n: usize,
+        tiled: bool,
+        iters: usize,
+    ) -> Result<f64> {
+        w.check_owner(self)?;
+        check_len("x", n * w.d_model(), x.len())?;
+        for (what, v) in [("tokens", n), ("iters", iters)] {
+            if v == 0 {
+                return Err(Error::Zero { what });
+            }
+        }
+        let mut sc = self.ffn_scratch(w, x, n, tiled)?;
+        let act = hgca_kernels::FfnAct::Silu;
+        self.launch_ffn(w, act, &mut sc)?;
+        let s = &self.dev.compute;
+        let (e0, e1) = (self.dev.event()?, self.dev.event()?);
+        e0.record(s).map_err(drv)?;
+        for _ in 0..iters {
+            self.launch_ffn(w, act, &mut sc)?;
+        }
+        e1.record(s).map_err(drv)?;
+        let ms = e0.elapsed_ms(&e1).map_err(drv)?;
+        Ok(ms as f64 * 1e-3 / iters as f64)
+    }
+}

@@ -39,21 +39,6 @@ impl WgpuFfn {
     }
 }
 
-/// A matrix of f16 rows of `d` values as rows of `rw` words, pairs packed
-/// low half first (the layout `unpack2x16float` reads), an odd row's last
-/// half zero.
-fn pack_rows(m: &[f16], d: usize, rw: usize) -> Vec<u32> {
-    let mut out = Vec::with_capacity(m.len().div_ceil(d.max(1)) * rw);
-    for row in m.chunks_exact(d) {
-        for pair in row.chunks(2) {
-            let lo = u32::from(pair[0].to_bits());
-            let hi = pair.get(1).map_or(0, |h| u32::from(h.to_bits()));
-            out.push(lo | (hi << 16));
-        }
-    }
-    out
-}
-
 impl DenseFfnBackend for WgpuBackend {
     type Resident = WgpuFfn;
 
@@ -80,8 +65,11 @@ impl DenseFfnBackend for WgpuBackend {
                     usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
                     mapped_at_creation: false,
                 });
-                self.queue
-                    .write_buffer(&b, 0, bytemuck::cast_slice(&pack_rows(&m, d, rw)));
+                self.queue.write_buffer(
+                    &b,
+                    0,
+                    bytemuck::cast_slice(&crate::pack_f16_pairs(&m, d, rw)),
+                );
                 b
             })
         })?;
