@@ -7,20 +7,30 @@
 //! share does not settle in the cache either), weights f16, Q8_0, Q4_0 and
 //! Q5_0 (Qwen2's gate and up format); the block formats also with the token
 //! quantised to Q8_0 for the gate and up rows (`sparse_ffn_q8`, id suffix
-//! `+q8`); 1 and 2 threads. Each neuron's gate, up and down rows lie side
-//! by side (`FfnWeights::interleaved`, as a hybrid FFN holds its cold
-//! neurons); the 10% lists also run over three separate matrices (id
+//! `+q8`); 1 and 2 threads. The lists run on each neuron's gate, up and
+//! down rows side by side (`FfnWeights::interleaved`: a scattered neuron
+//! in one read); the 10% lists also over three separate matrices (id
 //! suffix `-3m`).
 //!
-//! Ids: `ffn/{isa}/{format}/list{pct}-t{threads}[-3m]`. GB/s counts the bytes
-//! of the active neurons' three rows (the bytes the kernel must read);
+//! The threshold form (CATS: the gate pass over every neuron decides which
+//! up and down rows are read) runs on Q4_0 and Q5_0 with thresholds that
+//! keep about 10% and 50% of the neurons, on the gate matrix alone and each
+//! neuron's up and down rows side by side (`FfnWeights::paired`, as
+//! `FfnOwned` holds them): the gate pass a row at a time (`sparse_ffn_q8`)
+//! or over the gate rows repacked sixteen at a time (`sparse_ffn_q8_gated`,
+//! id suffix `-packed`); at 10% also on interleaved rows (suffix `-il`).
+//!
+//! Ids: `ffn/{isa}/{format}/list{pct}-t{threads}[-3m]`,
+//! `ffn/{isa}/{format}+q8/thr{pct}-t{threads}[-packed|-il]`. GB/s counts the
+//! bytes of the active neurons' three rows, for a threshold every gate row
+//! and the kept neurons' up and down rows (the bytes the kernel must read);
 //! "% of probe" compares it with the streaming read probe measured in the
 //! same run (the target: >= 60%).
 
 use criterion::Criterion;
 use hgca_benches::{Probe, Report, criterion, fill, par};
 use hgca_cpu::{CpuBackend, Isa};
-use hgca_cpu::{DotBlock, FfnStats};
+use hgca_cpu::{DotBlock, FfnStats, PackBlock, PackedRows, Q8Acts};
 use hgca_kernels::{
     BlockQ4_0, BlockQ5_0, BlockQ8_0, FfnAct, FfnWeights, Neurons, Result, WeightElem, f16,
 };
@@ -47,6 +57,20 @@ fn layers<W: WeightElem>(conv: impl Fn(&[f32]) -> Vec<W>) -> Vec<[Vec<W>; 3]> {
 fn blocks<B>(r: &[f32], quantize: fn(&[f32; 32]) -> B) -> Vec<B> {
     r.chunks_exact(32)
         .map(|c| quantize(c.try_into().expect("32 values")))
+        .collect()
+}
+
+/// Each layer's `[n_ff, 3, row]` array (`FfnWeights::interleave`).
+fn interleave_layers<W: WeightElem>(ws: &[[Vec<W>; 3]]) -> Vec<Vec<W>> {
+    ws.iter()
+        .map(|[g, u, d]| FfnWeights::interleave(NFF, D / W::VALUES, g, u, d).expect("lengths"))
+        .collect()
+}
+
+/// Views of [`interleave_layers`]' arrays.
+fn interleaved_views<W: WeightElem>(rows: &[Vec<W>]) -> Vec<FfnWeights<'_, W>> {
+    rows.iter()
+        .map(|r| FfnWeights::interleaved(D, NFF, r).expect("lengths"))
         .collect()
 }
 
@@ -92,18 +116,10 @@ fn run<W: WeightElem>(
                     .collect()
             })
             .collect();
-        // Each neuron's three rows side by side (as `FfnOwned` holds a
-        // split's cold neurons), and, for the 10% lists, three matrices
-        // (ids ending `-3m`).
-        let row = D / W::VALUES;
-        let rows: Vec<Vec<W>> = ws
-            .iter()
-            .map(|[g, u, d]| FfnWeights::interleave(NFF, row, g, u, d).expect("lengths"))
-            .collect();
-        let interleaved: Vec<FfnWeights<'_, W>> = rows
-            .iter()
-            .map(|r| FfnWeights::interleaved(D, NFF, r).expect("lengths"))
-            .collect();
+        // Each neuron's three rows side by side (a scattered neuron in one
+        // read), and, for the 10% lists, three matrices (ids ending `-3m`).
+        let rows = interleave_layers(ws);
+        let interleaved = interleaved_views(&rows);
         let separate: Vec<FfnWeights<'_, W>> = ws
             .iter()
             .map(|[g, u, d]| FfnWeights::new(D, NFF, g, u, d).expect("lengths"))
@@ -143,6 +159,85 @@ fn run<W: WeightElem>(
     }
 }
 
+/// The threshold form (CATS), one token through Q8_0, on paired rows
+/// (`FfnWeights::paired`): thresholds that keep about 10% and 50% of each
+/// layer's neurons; the gate pass a row at a time (`sparse_ffn_q8`, id
+/// `thr{pct}`) or over the gate rows repacked (`sparse_ffn_q8_gated`, id
+/// `thr{pct}-packed`); at 10% also on interleaved rows (`thr10-il`).
+/// GB/s counts every gate row and the kept neurons' up and down rows.
+fn run_threshold<W: WeightElem + PackBlock>(
+    crit: &mut Criterion,
+    rep: &Report,
+    isa: &str,
+    ws: &[[Vec<W>; 3]],
+) {
+    let x = fill(D, 42);
+    let acts = Q8Acts::quantize(&x, 1, D).expect("a whole block");
+    let mut out = vec![0.0f32; D];
+    let row = D / W::VALUES;
+    let row_bytes = row * size_of::<W>();
+    // As `FfnOwned` holds a split's cold neurons: the gate matrix alone,
+    // each neuron's up and down rows side by side; and, for comparison,
+    // each neuron's three rows side by side (ids ending `-il`).
+    let pairs: Vec<Vec<W>> = ws
+        .iter()
+        .map(|[_, u, d]| FfnWeights::pair(NFF, row, u, d).expect("lengths"))
+        .collect();
+    let paired: Vec<FfnWeights<'_, W>> = ws
+        .iter()
+        .zip(&pairs)
+        .map(|([g, _, _], p)| FfnWeights::paired(D, NFF, g, p).expect("lengths"))
+        .collect();
+    let rows = interleave_layers(ws);
+    let interleaved = interleaved_views(&rows);
+    let packed: Vec<PackedRows<W>> = ws
+        .iter()
+        .map(|[g, _, _]| PackedRows::new(g, NFF, D).expect("whole blocks"))
+        .collect();
+    // Each layer's |silu(gate)|, sorted: the thresholds keeping a share.
+    let cpu = CpuBackend::new();
+    let mags: Vec<Vec<f32>> = ws
+        .iter()
+        .map(|[g, _, _]| {
+            let mut y = vec![0.0f32; NFF];
+            cpu.qmatvec(g, NFF, &acts, &mut y).expect("shapes");
+            let mut m: Vec<f32> = y.iter().map(|&v| FfnAct::Silu.apply(v).abs()).collect();
+            m.sort_by(f32::total_cmp);
+            m
+        })
+        .collect();
+    let set: usize = ws
+        .iter()
+        .map(|w| w.iter().map(|m| m.len() * size_of::<W>()).sum::<usize>())
+        .sum();
+    for pct in [10usize, 50] {
+        let keep = NFF * pct / 100;
+        let ths: Vec<f32> = mags.iter().map(|m| m[NFF - keep - 1]).collect();
+        let bytes = ((NFF + 2 * keep) * row_bytes) as u64;
+        let mut variants = vec![("", false, &paired), ("-packed", true, &paired)];
+        if pct == 10 {
+            variants.push(("-il", false, &interleaved));
+        }
+        for (suffix, packed_gate, weights) in variants {
+            for threads in [1usize, 2] {
+                let cpu = CpuBackend::new().with_par(par(threads)).expect("pool");
+                let id = format!("ffn/{isa}/{}+q8/thr{pct}-t{threads}{suffix}", W::NAME);
+                let mut layer = 0;
+                rep.bench(crit, "ffn", &id, (bytes, set, threads), || {
+                    layer = (layer + 1) % LAYERS;
+                    let (w, t) = (&weights[layer], ths[layer]);
+                    if packed_gate {
+                        cpu.sparse_ffn_q8_gated(FfnAct::Silu, w, &packed[layer], &x, t, &mut out)
+                    } else {
+                        cpu.sparse_ffn_q8(FfnAct::Silu, w, &x, 1, Neurons::Threshold(t), &mut out)
+                    }
+                    .expect("a valid call");
+                });
+            }
+        }
+    }
+}
+
 fn main() {
     let probe = Probe::measure();
     let rep = Report::default();
@@ -162,20 +257,26 @@ fn main() {
         &layers(|r| blocks(r, BlockQ8_0::quantize)),
         &[("", float_acts), ("+q8", q8_acts)],
     );
+    let q4 = layers(|r| blocks(r, BlockQ4_0::quantize));
     run(
         &mut crit,
         &rep,
         isa,
-        &layers(|r| blocks(r, BlockQ4_0::quantize)),
+        &q4,
         &[("", float_acts), ("+q8", q8_acts)],
     );
+    run_threshold(&mut crit, &rep, isa, &q4);
+    drop(q4);
+    let q5 = layers(|r| blocks(r, BlockQ5_0::quantize));
     run(
         &mut crit,
         &rep,
         isa,
-        &layers(|r| blocks(r, BlockQ5_0::quantize)),
+        &q5,
         &[("", float_acts), ("+q8", q8_acts)],
     );
+    run_threshold(&mut crit, &rep, isa, &q5);
+    drop(q5);
     rep.print(&probe, |_| None);
     crit.final_summary();
 }

@@ -15,7 +15,7 @@ use hgca_kernels::{
 
 use crate::isa::{Kern, dispatch, load, store};
 use crate::qdot::{RowDot, row_dot_of};
-use crate::{CpuBackend, DotBlock, Q8Acts};
+use crate::{CpuBackend, DotBlock, PackBlock, PackedRows, Q8Acts};
 
 /// What a [`CpuBackend::sparse_ffn`] call computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -565,6 +565,28 @@ impl Ids<'_> {
     }
 }
 
+/// How a part keeps its neurons.
+#[derive(Clone, Copy)]
+enum Pick<'a> {
+    /// Every one.
+    All,
+    /// Those whose activation's magnitude exceeds the threshold.
+    Threshold(f32),
+    /// Every one, with its activation given (the `k`-th neuron's at `k`):
+    /// the gate pass ran before, over every neuron.
+    Gated(&'a [f32]),
+}
+
+impl<'a> Pick<'a> {
+    /// The `k`-th..`k + len`-th neurons' pick (a part of a list).
+    fn part(self, start: usize, end: usize) -> Pick<'a> {
+        match self {
+            Pick::Gated(a) => Pick::Gated(&a[start..end]),
+            other => other,
+        }
+    }
+}
+
 /// Neuron `i`'s gate, up and down rows.
 #[inline(always)]
 fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
@@ -586,22 +608,24 @@ fn ahead_of<W: WeightElem>(w: &FfnWeights<'_, W>) -> usize {
 /// Fetches the rows of the `j`-th neuron (one the computation reaches
 /// later) where it does not follow the one before it: an active list skips
 /// rows, which the hardware prefetchers do not foresee; consecutive neurons
-/// they do. (With a threshold only the gate row is fetched; the up and down
-/// rows may not be read.)
+/// they do. (With a threshold only the gate row is fetched: the up and down
+/// rows may not be read; with the activations given, no gate row is.)
 #[inline(always)]
 fn prefetch_at<S: Kern, W: WeightElem>(
     s: S,
     w: &FfnWeights<'_, W>,
     ids: Ids<'_>,
     j: usize,
-    threshold: Option<f32>,
+    pick: Pick<'_>,
 ) {
     if j == 0 || j >= ids.len() || ids.get(j) == ids.get(j - 1) + 1 {
         return;
     }
     let [g0, u0, d0] = rows_of(w, ids.get(j));
-    prefetch_row(s, g0);
-    if threshold.is_none() {
+    if !matches!(pick, Pick::Gated(_)) {
+        prefetch_row(s, g0);
+    }
+    if !matches!(pick, Pick::Threshold(_)) {
         prefetch_row(s, u0);
         prefetch_row(s, d0);
     }
@@ -612,27 +636,22 @@ fn prefetch_at<S: Kern, W: WeightElem>(
 struct Prefetches<'a, 'w, W> {
     w: &'a FfnWeights<'w, W>,
     ids: Ids<'a>,
-    threshold: Option<f32>,
+    pick: Pick<'a>,
     ahead: usize,
 }
 
 impl<'a, 'w, W: WeightElem> Prefetches<'a, 'w, W> {
     /// Starts a walk: fetches the neurons before the first `ahead`.
     #[inline(always)]
-    fn start<S: Kern>(
-        s: S,
-        w: &'a FfnWeights<'w, W>,
-        ids: Ids<'a>,
-        threshold: Option<f32>,
-    ) -> Self {
+    fn start<S: Kern>(s: S, w: &'a FfnWeights<'w, W>, ids: Ids<'a>, pick: Pick<'a>) -> Self {
         let ahead = ahead_of(w);
         for j in 1..ahead {
-            prefetch_at(s, w, ids, j, threshold);
+            prefetch_at(s, w, ids, j, pick);
         }
         Self {
             w,
             ids,
-            threshold,
+            pick,
             ahead,
         }
     }
@@ -640,7 +659,7 @@ impl<'a, 'w, W: WeightElem> Prefetches<'a, 'w, W> {
     /// Before the walk computes its `k`-th neuron.
     #[inline(always)]
     fn before<S: Kern>(&self, s: S, k: usize) {
-        prefetch_at(s, self.w, self.ids, k + self.ahead, self.threshold);
+        prefetch_at(s, self.w, self.ids, k + self.ahead, self.pick);
     }
 }
 
@@ -654,9 +673,9 @@ fn prefetch_row<S: Kern, W: WeightElem>(s: S, row: &[W]) {
 }
 
 /// One token's neurons (`ids`; `x`, `y`: `d` values), rows straight from
-/// memory, read by `ops`: each neuron's gate row's dot product decides
-/// (with a threshold), then its up row's, and its down row joins the
-/// [`Downs`] queue.
+/// memory, read by `ops`: each neuron's gate row's dot product (or its
+/// given activation) decides (with a threshold), then its up row's, and its
+/// down row joins the [`Downs`] queue.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn token_part<S: Kern, W: WeightElem>(
@@ -665,19 +684,26 @@ fn token_part<S: Kern, W: WeightElem>(
     w: &FfnWeights<'_, W>,
     x: &[f32],
     ids: Ids<'_>,
-    threshold: Option<f32>,
+    pick: Pick<'_>,
     y: &mut [f32],
     ops: &impl RowOps<W>,
 ) -> FfnStats {
     let mut st = FfnStats::default();
     let mut downs = Downs::new();
-    let fetch = Prefetches::start(s, w, ids, threshold);
+    let fetch = Prefetches::start(s, w, ids, pick);
     for k in 0..ids.len() {
         fetch.before(s, k);
         let [gate, up, down] = rows_of(w, ids.get(k));
-        let v = act.apply(ops.dot(gate, x));
-        st.rows += 1;
-        if threshold.is_some_and(|th| v.abs() <= th) {
+        let v = match pick {
+            Pick::Gated(a) => a[k],
+            _ => {
+                st.rows += 1;
+                act.apply(ops.dot(gate, x))
+            }
+        };
+        if let Pick::Threshold(th) = pick
+            && v.abs() <= th
+        {
             continue;
         }
         if ops.fuses_downs() {
@@ -701,7 +727,7 @@ fn token_part_with<S: Kern, W: WeightElem, R: RowOps<W>>(
     w: &FfnWeights<'_, W>,
     x: &[f32],
     ids: Ids<'_>,
-    threshold: Option<f32>,
+    pick: Pick<'_>,
     y: &mut [f32],
     ops: &R,
     int: Option<(RowDot<W>, &Q8Acts)>,
@@ -713,9 +739,9 @@ fn token_part_with<S: Kern, W: WeightElem, R: RowOps<W>>(
                 acts,
                 axpy: ops,
             };
-            token_part(s, act, w, x, ids, threshold, y, &ops)
+            token_part(s, act, w, x, ids, pick, y, &ops)
         }
-        None => token_part(s, act, w, x, ids, threshold, y, ops),
+        None => token_part(s, act, w, x, ids, pick, y, ops),
     }
 }
 
@@ -733,7 +759,7 @@ fn ffn_part<S: Kern, W: WeightElem>(
     x: &[f32],
     n: usize,
     ids: Ids<'_>,
-    threshold: Option<f32>,
+    pick: Pick<'_>,
     int: Option<(RowDot<W>, &Q8Acts)>,
     y: &mut [f32],
 ) -> FfnStats {
@@ -741,24 +767,30 @@ fn ffn_part<S: Kern, W: WeightElem>(
         return if is_q8::<W>() {
             // Q8_0: codes widened in registers.
             let ops = Q8Rows(s, extra);
-            token_part_with(s, act, w, x, ids, threshold, y, &ops, int)
+            token_part_with(s, act, w, x, ids, pick, y, &ops, int)
         } else if is_small::<W>() {
             // 4- and 5-bit rows: codes unpacked and widened in registers.
             let xsum = block_sums(x);
             let ops = SmallRows(s, extra, &xsum);
-            token_part_with(s, act, w, x, ids, threshold, y, &ops, int)
+            token_part_with(s, act, w, x, ids, pick, y, &ops, int)
         } else if W::VALUES > 1 {
             // Other block formats: dequantised a block at a time.
-            token_part_with(s, act, w, x, ids, threshold, y, &BlockRows, int)
+            token_part_with(s, act, w, x, ids, pick, y, &BlockRows, int)
         } else {
-            token_part(s, act, w, x, ids, threshold, y, &FloatRows(s, extra))
+            token_part(s, act, w, x, ids, pick, y, &FloatRows(s, extra))
         };
     }
     let d = w.d_model;
     let mut st = FfnStats::default();
     let (mut g, mut u, mut dn) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
     let mut a = vec![0.0f32; n];
-    let fetch = Prefetches::start(s, w, ids, threshold);
+    // Given activations are one token's (`sparse_ffn_q8_gated`).
+    debug_assert!(!matches!(pick, Pick::Gated(_)));
+    let threshold = match pick {
+        Pick::Threshold(t) => Some(t),
+        _ => None,
+    };
+    let fetch = Prefetches::start(s, w, ids, pick);
     for k in 0..ids.len() {
         fetch.before(s, k);
         let rows = rows_of(w, ids.get(k));
@@ -888,6 +920,89 @@ impl CpuBackend {
         self.ffn(act, w, &xq, n, neurons, out, None)
     }
 
+    /// One token of [`Self::sparse_ffn_q8`]'s threshold form
+    /// ([`Neurons::Threshold`]) with the gate pass over `gate`, `w`'s gate
+    /// rows repacked ([`PackedRows`]): every gate row's product in one
+    /// [`Self::qmatvec_packed`] (with AVX-512 VNNI, sixteen rows at a time
+    /// near the memory's rate, where a row at a time is bound by compute),
+    /// then the up and down rows of the neurons kept (`|act(g)| > t`) as
+    /// `sparse_ffn_q8` reads them. In the threshold form the gate rows are
+    /// most of the bytes read (all of them, against the kept neurons' up
+    /// and down rows). The result is `sparse_ffn_q8`'s up to the order of
+    /// each gate row's sum (the packed kernel adds a row's products in
+    /// another order), so a neuron whose activation lies within rounding
+    /// of the threshold may fall on the other side.
+    ///
+    /// ```
+    /// use hgca_cpu::{CpuBackend, PackedRows};
+    /// use hgca_kernels::{BlockQ8_0, FfnAct, FfnWeights, Neurons, f16};
+    /// // d_model 32, 2 neurons: neuron i's gate, up and down rows hold i + 1.
+    /// let row = |v: i8| BlockQ8_0 { d: f16::ONE, qs: [v; 32] };
+    /// let rows = [row(1), row(2)];
+    /// let w = FfnWeights::new(32, 2, &rows, &rows, &rows)?;
+    /// let gate = PackedRows::new(&rows, 2, 32)?;
+    /// let x = [127.0f32 / 4096.0; 32];
+    /// let cpu = CpuBackend::new();
+    /// let (mut a, mut b) = ([0.0f32; 32], [0.0f32; 32]);
+    /// // ReLU gates 127/128 and 127/64: a threshold of 1.5 keeps neuron 1 alone.
+    /// let st = cpu.sparse_ffn_q8_gated(FfnAct::Relu, &w, &gate, &x, 1.5, &mut a)?;
+    /// cpu.sparse_ffn_q8(FfnAct::Relu, &w, &x, 1, Neurons::Threshold(1.5), &mut b)?;
+    /// assert_eq!((st.active, st.rows), (1, 4));
+    /// assert_eq!(a, b);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::sparse_ffn`] for `x`, `out` and the threshold;
+    /// [`Error::ShapeMismatch`] when `gate` is not `n_ff` rows of
+    /// `d_model`. Nothing is written then.
+    pub fn sparse_ffn_q8_gated<W: WeightElem + PackBlock>(
+        &self,
+        act: FfnAct,
+        w: &FfnWeights<'_, W>,
+        gate: &PackedRows<W>,
+        x: &[f32],
+        threshold: f32,
+        out: &mut [f32],
+    ) -> Result<FfnStats> {
+        let d = w.d_model;
+        check_len_of("x", &[1, d], x.len())?;
+        check_len_of("out", &[1, d], out.len())?;
+        if !(threshold.is_finite() && threshold >= 0.0) {
+            return Err(Error::Param {
+                what: "ffn threshold",
+                value: f64::from(threshold),
+                expected: "finite and >= 0",
+            });
+        }
+        if (gate.rows(), gate.width()) != (w.n_ff, d) {
+            return Err(Error::ShapeMismatch {
+                what: "packed gate rows",
+                expected: format!("{} rows of {d}", w.n_ff),
+                found: format!("{} rows of {}", gate.rows(), gate.width()),
+            });
+        }
+        let acts = Q8Acts::quantize(x, 1, d)?;
+        let mut g = vec![0.0f32; w.n_ff];
+        self.qmatvec_packed(gate, &acts, &mut g)?;
+        let (mut list, mut vals) = (Vec::new(), Vec::new());
+        for (i, &gi) in g.iter().enumerate() {
+            let v = act.apply(gi);
+            // As the threshold form: dropped when |v| <= t (a NaN stays).
+            if v.abs() <= threshold {
+                continue;
+            }
+            list.push(i as u32);
+            vals.push(v);
+        }
+        // SAFETY: the path is `qmatvec_path`'s on this CPU.
+        let dot = unsafe { row_dot_of::<W>(Self::qmatvec_path(self.isa())) };
+        let pick = Pick::Gated(&vals);
+        let mut st = self.ffn_picked(act, w, x, 1, Some(&list), pick, out, Some((dot, &acts)))?;
+        st.rows += w.n_ff;
+        Ok(st)
+    }
+
     /// [`Self::sparse_ffn`], with the gate and up rows' dot products of a
     /// one-token call from `int` where given.
     #[allow(clippy::too_many_arguments)]
@@ -928,6 +1043,25 @@ impl CpuBackend {
                 (None, Some(t))
             }
         };
+        let pick = threshold.map_or(Pick::All, Pick::Threshold);
+        self.ffn_picked(act, w, x, n, list, pick, out, int)
+    }
+
+    /// The threads' parts of [`Self::ffn`] over `list` (every neuron when
+    /// `None`), checked.
+    #[allow(clippy::too_many_arguments)]
+    fn ffn_picked<W: WeightElem>(
+        &self,
+        act: FfnAct,
+        w: &FfnWeights<'_, W>,
+        x: &[f32],
+        n: usize,
+        list: Option<&[u32]>,
+        pick: Pick<'_>,
+        out: &mut [f32],
+        int: Option<(RowDot<W>, &Q8Acts)>,
+    ) -> Result<FfnStats> {
+        let d = w.d_model;
         let count = list.map_or(w.n_ff, <[u32]>::len);
         out.fill(0.0);
         // One part per thread, none smaller than 16 neurons.
@@ -950,7 +1084,8 @@ impl CpuBackend {
                         Some(l) => Ids::List(&l[range.clone()]),
                         None => Ids::Range(range.start, range.end),
                     };
-                    ffn_part(s, ex, act, w, x, n, ids, threshold, int, y)
+                    let pick = pick.part(range.start, range.end);
+                    ffn_part(s, ex, act, w, x, n, ids, pick, int, y)
                 })
             };
             *st = if p == 0 {

@@ -1,11 +1,13 @@
 //! The sparse FFN kernel against hgca-ref (f64), for every ISA the machine
 //! has and every weight format: proptest over shapes, active sets, tokens
 //! and both activations, a table of edge shapes, the partition identity
-//! (hot + cold = all), and typed errors for bad input. Every case also
-//! runs on the same rows interleaved ([`FfnWeights::interleaved`]), which
-//! must give the same bits.
+//! (hot + cold = all), and typed errors for bad input; the one-token
+//! threshold form with repacked gate rows (`sparse_ffn_q8_gated`) beside
+//! `sparse_ffn_q8`'s. Every case also
+//! runs on the same rows interleaved ([`FfnWeights::interleaved`]) and
+//! paired ([`FfnWeights::paired`]), which must give the same bits.
 
-use hgca_cpu::{CpuBackend, DotBlock, FfnStats, Par};
+use hgca_cpu::{CpuBackend, DotBlock, FfnStats, PackBlock, PackedRows, Par};
 use hgca_kernels::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, Error, FfnAct, FfnWeights,
     Neurons, WeightElem, bf16, f16,
@@ -51,6 +53,28 @@ fn case_q8<W: TestWeight + DotBlock>(
     case_with(act, d, n_ff, n, threshold, seed, true, run)
 }
 
+/// [`case_q8`]'s threshold form of one token through
+/// `sparse_ffn_q8_gated`, the gate rows repacked (a list, or several
+/// tokens, take `sparse_ffn_q8`: the gated call has no such form).
+fn case_q8_gated<W: TestWeight + PackBlock>(
+    b: &CpuBackend,
+    act: FfnAct,
+    d: usize,
+    n_ff: usize,
+    n: usize,
+    threshold: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let run = |w: &FfnWeights<'_, W>, x: &[f32], nr: Neurons<'_>, o: &mut [f32]| match nr {
+        Neurons::Threshold(t) if n == 1 => {
+            let gate = PackedRows::new(&w.matrices()[0], n_ff, d)?;
+            b.sparse_ffn_q8_gated(act, w, &gate, x, t, o)
+        }
+        _ => b.sparse_ffn_q8(act, w, x, n, nr, o),
+    };
+    case_with(act, d, n_ff, n, threshold, seed, true, run)
+}
+
 /// One case run by `run` on the problem's tokens; the reference sees them
 /// through Q8_0 where `q8`.
 #[allow(clippy::too_many_arguments)]
@@ -82,15 +106,21 @@ fn case_with<W: TestWeight>(
     let rows = FfnWeights::interleave(n_ff, w.row_len(), w.gate, w.up, w.down_t)
         .map_err(|e| e.to_string())?;
     let wi = FfnWeights::interleaved(w.d_model, n_ff, &rows).map_err(|e| e.to_string())?;
+    // And the gate matrix alone with each neuron's up and down rows side by
+    // side (as `FfnOwned` holds them).
+    let pairs = FfnWeights::pair(n_ff, w.row_len(), w.up, w.down_t).map_err(|e| e.to_string())?;
+    let wp = FfnWeights::paired(w.d_model, n_ff, w.gate, &pairs).map_err(|e| e.to_string())?;
     let run = |w: &FfnWeights<'_, W>, x: &[f32], nr: Neurons<'_>, o: &mut [f32]| {
         let st = run(w, x, nr, o)?;
-        let mut oi = vec![f32::NAN; o.len()];
-        let sti = run(&wi, x, nr, &mut oi)?;
-        let same = o.iter().zip(&oi).all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(
-            same && (st.active, st.rows) == (sti.active, sti.rows),
-            "interleaved rows differ: {oi:?} ({sti:?}) against {o:?} ({st:?})"
-        );
+        for (layout, other) in [("interleaved", &wi), ("paired", &wp)] {
+            let mut oi = vec![f32::NAN; o.len()];
+            let sti = run(other, x, nr, &mut oi)?;
+            let same = o.iter().zip(&oi).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same && (st.active, st.rows) == (sti.active, sti.rows),
+                "{layout} rows differ: {oi:?} ({sti:?}) against {o:?} ({st:?})"
+            );
+        }
         Ok::<_, hgca_kernels::Error>(st)
     };
     let mut rng = Rng::new(seed ^ 77);
@@ -155,7 +185,17 @@ fn all_formats(
     case_q8::<BlockQ4_1>(b, act, d32, n_ff, n, thr, seed)?;
     case_q8::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)?;
     case_q8::<BlockQ4K>(b, act, d256, n_ff, n, thr, seed)?;
-    case_q8::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)
+    case_q8::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)?;
+    if thr && n == 1 {
+        // The threshold form with the gate pass over repacked rows.
+        case_q8_gated::<BlockQ8_0>(b, act, d32, n_ff, n, thr, seed)?;
+        case_q8_gated::<BlockQ4_0>(b, act, d32, n_ff, n, thr, seed)?;
+        case_q8_gated::<BlockQ4_1>(b, act, d32, n_ff, n, thr, seed)?;
+        case_q8_gated::<BlockQ5_0>(b, act, d32, n_ff, n, thr, seed)?;
+        case_q8_gated::<BlockQ4K>(b, act, d256, n_ff, n, thr, seed)?;
+        case_q8_gated::<BlockQ6K>(b, act, d256, n_ff, n, thr, seed)?;
+    }
+    Ok(())
 }
 
 /// (d_model, n_ff, tokens): widths around the 16 lanes and the 32-value
@@ -326,7 +366,65 @@ fn bad_input_is_a_typed_error_and_writes_nothing() {
         FfnWeights::interleaved(16, 2, &[q.gate[0]; 3]),
         Err(Error::Param { .. })
     ));
+    // Paired rows: a gate or pair array of the wrong length, a width not whole.
+    assert!(matches!(
+        FfnWeights::paired(8, 10, short, &vec![0.0f32; 160]),
+        Err(Error::Length { what: "gate", .. })
+    ));
+    assert!(matches!(
+        FfnWeights::paired(8, 10, &p.gate, &vec![0.0f32; 159]),
+        Err(Error::Length {
+            what: "paired up and down rows",
+            ..
+        })
+    ));
+    assert!(matches!(
+        FfnWeights::pair(10, 8, &p.up, short),
+        Err(Error::Length { what: "down_t", .. })
+    ));
+    assert!(matches!(
+        FfnWeights::paired(16, 2, &q.gate[..1], &[q.gate[0]; 2]),
+        Err(Error::Param { .. })
+    ));
     // An empty list computes nothing: zeros.
     run(Neurons::List(&[]), &p.x, &mut out).unwrap();
     assert!(out.iter().all(|&v| v == 0.0));
+    // The gated threshold form: packed gate rows of another shape, a bad
+    // threshold, wrong lengths; nothing written.
+    let q = FfnProblem::<BlockQ8_0>::random(64, 3, 1, 2);
+    let qw = q.weights().unwrap();
+    let gate = PackedRows::new(&q.gate, 3, 64).unwrap();
+    let fewer = PackedRows::new(&q.gate[..4], 2, 64).unwrap();
+    let narrow = PackedRows::new(&q.gate[..3], 3, 32).unwrap();
+    let mut o = vec![7.0f32; 64];
+    let gated = |g: &PackedRows<BlockQ8_0>, x: &[f32], t: f32, o: &mut [f32]| {
+        b.sparse_ffn_q8_gated(FfnAct::Silu, &qw, g, x, t, o)
+    };
+    for g in [&fewer, &narrow] {
+        assert!(matches!(
+            gated(g, &q.x, 0.1, &mut o),
+            Err(Error::ShapeMismatch {
+                what: "packed gate rows",
+                ..
+            })
+        ));
+    }
+    for t in [f32::NAN, f32::INFINITY, -1.0] {
+        assert!(matches!(
+            gated(&gate, &q.x, t, &mut o),
+            Err(Error::Param {
+                what: "ffn threshold",
+                ..
+            })
+        ));
+    }
+    assert!(matches!(
+        gated(&gate, &q.x[..63], 0.1, &mut o),
+        Err(Error::Length { what: "x", .. })
+    ));
+    assert!(matches!(
+        gated(&gate, &q.x, 0.1, &mut o[..63]),
+        Err(Error::Length { what: "out", .. })
+    ));
+    assert!(o.iter().all(|&v| v == 7.0), "an error wrote the output");
 }

@@ -547,9 +547,12 @@ impl BlockQ6K {
 
 /// The three neuron-major weight matrices of one gated FFN, rows of
 /// `d_model / W::VALUES` elements: three matrices of their own
-/// ([`FfnWeights::new`]), or one neuron's three rows side by side
+/// ([`FfnWeights::new`]); one neuron's three rows side by side
 /// ([`FfnWeights::interleaved`], `[n_ff, 3, row]`), so that a neuron of a
-/// sparse set is one contiguous read instead of three in three places.
+/// sparse set is one contiguous read instead of three in three places; or
+/// the gate matrix of its own and each neuron's up and down rows side by
+/// side ([`FfnWeights::paired`]), for the threshold form, whose gate pass
+/// reads every gate row and the kept neurons' up and down rows.
 /// Read a neuron's rows with [`FfnWeights::rows`] and whole matrices with
 /// [`FfnWeights::matrices`]; the fields hold the matrices as given.
 #[derive(Debug, Clone, Copy)]
@@ -561,15 +564,16 @@ pub struct FfnWeights<'a, W> {
     /// `W_gate`, `[n_ff, d_model]`; interleaved weights: the whole
     /// `[n_ff, 3, row]` array.
     pub gate: &'a [W],
-    /// `W_up`, `[n_ff, d_model]`; interleaved weights: the array from
-    /// neuron 0's up row on.
+    /// `W_up`, `[n_ff, d_model]`; interleaved or paired weights: the array
+    /// from neuron 0's up row on.
     pub up: &'a [W],
     /// `W_downᵀ`, `[n_ff, d_model]` (row `i`: neuron `i`'s output column);
-    /// interleaved weights: the array from neuron 0's down row on.
+    /// interleaved or paired weights: the array from neuron 0's down row on.
     pub down_t: &'a [W],
-    /// Elements from one neuron's row to the next's in each matrix: `row`
-    /// for three matrices, `3 * row` interleaved.
-    stride: usize,
+    /// Elements from one neuron's row to the next's in the gate, up and
+    /// down arrays: `row` in a matrix of its own, `3 * row` interleaved,
+    /// `2 * row` paired.
+    strides: [usize; 3],
 }
 
 impl<'a, W: WeightElem> FfnWeights<'a, W> {
@@ -602,7 +606,7 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
             gate,
             up,
             down_t,
-            stride: row,
+            strides: [row; 3],
         })
     }
 
@@ -638,8 +642,65 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
             gate: rows,
             up: from(1),
             down_t: from(2),
-            stride: 3 * row,
+            strides: [3 * row; 3],
         })
+    }
+
+    /// Weights whose gate matrix stands alone (`[n_ff, row]`) and whose
+    /// neuron `i` holds its up and down rows side by side: `up_down` is
+    /// `[n_ff, 2, row]` (see [`FfnWeights::pair`]). The threshold form's
+    /// gate pass then reads the gate rows alone and contiguous (from
+    /// interleaved rows it would stream the skipped up and down rows too:
+    /// 2.5x slower, README), and a kept neuron's up and down rows are one
+    /// read.
+    ///
+    /// ```
+    /// use hgca_kernels::FfnWeights;
+    /// // d_model 2, 2 neurons: neuron i's rows hold 10 i + (1, 2, 3).
+    /// let gate = [1.0f32, 1.0, 11.0, 11.0];
+    /// let up_down = [2.0f32, 2.0, 3.0, 3.0, 12.0, 12.0, 13.0, 13.0];
+    /// let w = FfnWeights::paired(2, 2, &gate, &up_down)?;
+    /// assert_eq!(w.rows(1), [&[11.0, 11.0][..], &[12.0, 12.0], &[13.0, 13.0]]);
+    /// assert_eq!(w.matrices()[1].as_ref(), &[2.0, 2.0, 12.0, 12.0]);
+    /// # Ok::<(), hgca_kernels::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`FfnWeights::new`]; [`Error::Length`] when `gate` is not
+    /// `n_ff * row` elements or `up_down` not `n_ff * 2 * row`.
+    pub fn paired(d_model: usize, n_ff: usize, gate: &'a [W], up_down: &'a [W]) -> Result<Self> {
+        if !d_model.is_multiple_of(W::VALUES) {
+            return FfnWeights::new(d_model, n_ff, gate, up_down, up_down);
+        }
+        let row = d_model / W::VALUES;
+        check_len_of("gate", &[n_ff, row], gate.len())?;
+        check_len_of("paired up and down rows", &[n_ff, 2, row], up_down.len())?;
+        Ok(Self {
+            d_model,
+            n_ff,
+            gate,
+            up: up_down,
+            down_t: up_down.get(row..).unwrap_or(&[]),
+            strides: [row, 2 * row, 2 * row],
+        })
+    }
+
+    /// The `[n_ff, 2, row]` array of [`FfnWeights::paired`] from the up
+    /// and down matrices of `n_ff` rows of `row` elements each.
+    ///
+    /// # Errors
+    /// [`Error::Length`] when a matrix is not `n_ff * row` elements.
+    pub fn pair(n_ff: usize, row: usize, up: &[W], down_t: &[W]) -> Result<Vec<W>> {
+        for (what, m) in [("up", up), ("down_t", down_t)] {
+            check_len_of(what, &[n_ff, row], m.len())?;
+        }
+        let mut v = Vec::with_capacity(2 * n_ff * row);
+        for i in 0..n_ff {
+            for m in [up, down_t] {
+                v.extend_from_slice(&m[i * row..(i + 1) * row]);
+            }
+        }
+        Ok(v)
     }
 
     /// The `[n_ff, 3, row]` array of [`FfnWeights::interleaved`] from three
@@ -668,7 +729,12 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
 
     /// Whether the rows are [`FfnWeights::interleaved`].
     pub fn is_interleaved(&self) -> bool {
-        self.stride != self.row_len()
+        self.strides[0] != self.row_len()
+    }
+
+    /// Whether the rows are [`FfnWeights::paired`].
+    pub fn is_paired(&self) -> bool {
+        self.strides[0] == self.row_len() && self.strides[1] != self.row_len()
     }
 
     /// Neuron `i`'s gate, up and down rows (`i < n_ff`).
@@ -677,21 +743,24 @@ impl<'a, W: WeightElem> FfnWeights<'a, W> {
     /// When `i >= n_ff`.
     #[inline]
     pub fn rows(&self, i: usize) -> [&'a [W]; 3] {
-        let (r, at) = (self.row_len(), i * self.stride);
+        let r = self.row_len();
+        let [g, u, d] = self.strides.map(|s| i * s);
         [
-            &self.gate[at..at + r],
-            &self.up[at..at + r],
-            &self.down_t[at..at + r],
+            &self.gate[g..g + r],
+            &self.up[u..u + r],
+            &self.down_t[d..d + r],
         ]
     }
 
     /// The gate, up and down matrices, `[n_ff, d_model]` each: borrowed
-    /// from three matrices, gathered from interleaved rows.
+    /// where a matrix stands alone, gathered from interleaved or paired
+    /// rows.
     pub fn matrices(&self) -> [Cow<'a, [W]>; 3] {
-        if !self.is_interleaved() {
-            return [self.gate, self.up, self.down_t].map(Cow::Borrowed);
-        }
+        let whole = [self.gate, self.up, self.down_t];
         core::array::from_fn(|m| {
+            if self.strides[m] == self.row_len() {
+                return Cow::Borrowed(whole[m]);
+            }
             (0..self.n_ff)
                 .flat_map(|i| self.rows(i)[m].iter().copied())
                 .collect::<Vec<W>>()
@@ -790,16 +859,19 @@ impl FfnSplit {
     }
 }
 
-/// Owned neuron-major FFN weights: a subset of a layer's neurons, each
-/// neuron's gate, up and down rows side by side
-/// ([`FfnWeights::interleaved`]), so that a neuron of a sparse set is one
+/// Owned neuron-major FFN weights: a subset of a layer's neurons, the gate
+/// rows in a matrix of their own and each neuron's up and down rows side
+/// by side ([`FfnWeights::paired`]): the threshold form's gate pass reads
+/// contiguous gate rows, and a kept neuron's up and down rows are one
 /// contiguous read.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FfnOwned<W> {
     d_model: usize,
     n_ff: usize,
-    /// `[n_ff, 3, row]`.
-    rows: Vec<W>,
+    /// `[n_ff, row]`.
+    gate: Vec<W>,
+    /// `[n_ff, 2, row]`.
+    up_down: Vec<W>,
 }
 
 impl<W: WeightElem> FfnOwned<W> {
@@ -815,11 +887,12 @@ impl<W: WeightElem> FfnOwned<W> {
         down_t: Vec<W>,
     ) -> Result<Self> {
         FfnWeights::new(d_model, n_ff, &gate, &up, &down_t)?;
-        let rows = FfnWeights::interleave(n_ff, d_model / W::VALUES, &gate, &up, &down_t)?;
+        let up_down = FfnWeights::pair(n_ff, d_model / W::VALUES, &up, &down_t)?;
         Ok(Self {
             d_model,
             n_ff,
-            rows,
+            gate,
+            up_down,
         })
     }
 
@@ -830,30 +903,32 @@ impl<W: WeightElem> FfnOwned<W> {
     /// As [`check_neurons`].
     pub fn gather(w: &FfnWeights<'_, W>, neurons: &[u32]) -> Result<Self> {
         check_neurons(neurons, w.n_ff)?;
-        let mut rows = Vec::with_capacity(neurons.len() * 3 * w.row_len());
+        let mut gate = Vec::with_capacity(neurons.len() * w.row_len());
+        let mut up_down = Vec::with_capacity(neurons.len() * 2 * w.row_len());
         for &i in neurons {
-            for r in w.rows(i as usize) {
-                rows.extend_from_slice(r);
-            }
+            let [g, u, d] = w.rows(i as usize);
+            gate.extend_from_slice(g);
+            up_down.extend_from_slice(u);
+            up_down.extend_from_slice(d);
         }
         Ok(Self {
             d_model: w.d_model,
             n_ff: neurons.len(),
-            rows,
+            gate,
+            up_down,
         })
     }
 
-    /// The weights as a view ([`FfnWeights::interleaved`]).
+    /// The weights as a view ([`FfnWeights::paired`]).
     pub fn view(&self) -> FfnWeights<'_, W> {
         let row = self.d_model / W::VALUES;
-        let from = |m: usize| self.rows.get(m * row..).unwrap_or(&[]);
         FfnWeights {
             d_model: self.d_model,
             n_ff: self.n_ff,
-            gate: &self.rows,
-            up: from(1),
-            down_t: from(2),
-            stride: 3 * row,
+            gate: &self.gate,
+            up: &self.up_down,
+            down_t: self.up_down.get(row..).unwrap_or(&[]),
+            strides: [row, 2 * row, 2 * row],
         }
     }
 
@@ -864,7 +939,7 @@ impl<W: WeightElem> FfnOwned<W> {
 
     /// Bytes of the three matrices.
     pub fn bytes(&self) -> usize {
-        self.rows.len() * core::mem::size_of::<W>()
+        (self.gate.len() + self.up_down.len()) * core::mem::size_of::<W>()
     }
 }
 
