@@ -598,6 +598,10 @@ fn rows_of<'a, W: WeightElem>(w: &FfnWeights<'a, W>, i: usize) -> [&'a [W]; 3] {
 /// one neuron ahead (1.5 KiB of Q4_0 at Qwen2's width) were not enough.
 const PREFETCH_AHEAD: usize = 16 << 10;
 
+/// Neurons of the threshold form's window: their gate rows are read, then
+/// the kept ones' up and down rows, fetched meanwhile.
+const THRESHOLD_WINDOW: usize = 32;
+
 /// Neurons the prefetches run ahead for weights `w`: [`PREFETCH_AHEAD`]
 /// bytes of rows, 1 to 16 neurons.
 #[inline(always)]
@@ -691,6 +695,37 @@ fn token_part<S: Kern, W: WeightElem>(
     let mut st = FfnStats::default();
     let mut downs = Downs::new();
     let fetch = Prefetches::start(s, w, ids, pick);
+    if let Pick::Threshold(th) = pick {
+        // The gate rows of a window of neurons first, each kept neuron's
+        // up and down rows fetched as it is found, then the kept neurons in
+        // order: their rows' misses overlap instead of each waiting in turn
+        // (the same products, added in the same order, as one at a time).
+        let mut kept = [(0usize, 0.0f32); THRESHOLD_WINDOW];
+        for k0 in (0..ids.len()).step_by(THRESHOLD_WINDOW) {
+            let mut n_kept = 0;
+            for k in k0..(k0 + THRESHOLD_WINDOW).min(ids.len()) {
+                fetch.before(s, k);
+                let [gate, up, down] = rows_of(w, ids.get(k));
+                let v = act.apply(ops.dot(gate, x));
+                st.rows += 1;
+                if v.abs() <= th {
+                    continue;
+                }
+                prefetch_row(s, up);
+                prefetch_row(s, down);
+                kept[n_kept] = (k, v);
+                n_kept += 1;
+            }
+            for &(k, v) in &kept[..n_kept] {
+                let [_, up, down] = rows_of(w, ids.get(k));
+                downs.push(down, v * ops.dot(up, x), y, ops);
+                st.rows += 2;
+                st.active += 1;
+            }
+        }
+        downs.flush(y, ops);
+        return st;
+    }
     for k in 0..ids.len() {
         fetch.before(s, k);
         let [gate, up, down] = rows_of(w, ids.get(k));
@@ -701,11 +736,6 @@ fn token_part<S: Kern, W: WeightElem>(
                 act.apply(ops.dot(gate, x))
             }
         };
-        if let Pick::Threshold(th) = pick
-            && v.abs() <= th
-        {
-            continue;
-        }
         if ops.fuses_downs() {
             prefetch_row(s, down);
         }
