@@ -565,6 +565,19 @@ impl Ids<'_> {
     }
 }
 
+/// `t` when it is a threshold on `|act|`: finite and `>= 0`.
+fn check_threshold(t: f32) -> Result<f32> {
+    if t.is_finite() && t >= 0.0 {
+        Ok(t)
+    } else {
+        Err(Error::Param {
+            what: "ffn threshold",
+            value: f64::from(t),
+            expected: "finite and >= 0",
+        })
+    }
+}
+
 /// How a part keeps its neurons.
 #[derive(Clone, Copy)]
 enum Pick<'a> {
@@ -578,7 +591,7 @@ enum Pick<'a> {
 }
 
 impl<'a> Pick<'a> {
-    /// The `k`-th..`k + len`-th neurons' pick (a part of a list).
+    /// The pick of the neurons `start..end` of a list (a thread's part).
     fn part(self, start: usize, end: usize) -> Pick<'a> {
         match self {
             Pick::Gated(a) => Pick::Gated(&a[start..end]),
@@ -998,13 +1011,7 @@ impl CpuBackend {
         let d = w.d_model;
         check_len_of("x", &[1, d], x.len())?;
         check_len_of("out", &[1, d], out.len())?;
-        if !(threshold.is_finite() && threshold >= 0.0) {
-            return Err(Error::Param {
-                what: "ffn threshold",
-                value: f64::from(threshold),
-                expected: "finite and >= 0",
-            });
-        }
+        check_threshold(threshold)?;
         if (gate.rows(), gate.width()) != (w.n_ff, d) {
             return Err(Error::ShapeMismatch {
                 what: "packed gate rows",
@@ -1062,16 +1069,7 @@ impl CpuBackend {
                 check_neurons(l, w.n_ff)?;
                 (Some(l), None)
             }
-            Neurons::Threshold(t) => {
-                if !(t.is_finite() && t >= 0.0) {
-                    return Err(Error::Param {
-                        what: "ffn threshold",
-                        value: f64::from(t),
-                        expected: "finite and >= 0",
-                    });
-                }
-                (None, Some(t))
-            }
+            Neurons::Threshold(t) => (None, Some(check_threshold(t)?)),
         };
         let pick = threshold.map_or(Pick::All, Pick::Threshold);
         self.ffn_picked(act, w, x, n, list, pick, out, int)

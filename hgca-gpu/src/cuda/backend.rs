@@ -139,11 +139,17 @@ impl CudaBackend {
     }
 
     pub(super) fn check_window(&self, w: &CudaWindow) -> Result<()> {
-        if Arc::ptr_eq(&self.dev, &w.dev) {
+        self.check_device("cuda window", &w.dev)
+    }
+
+    /// [`Error::ForeignObject`] (naming `what`) unless `dev` is this
+    /// backend's device (an object another instance made).
+    pub(super) fn check_device(&self, what: &'static str, dev: &Arc<Device>) -> Result<()> {
+        if Arc::ptr_eq(&self.dev, dev) {
             Ok(())
         } else {
             Err(Error::ForeignObject {
-                what: "cuda window",
+                what,
                 backend: BACKEND,
             })
         }

@@ -78,14 +78,7 @@ impl CudaFfn {
     /// [`Error::ForeignObject`] unless `b` made these weights resident
     /// (or is a clone of the backend that did).
     pub(super) fn check_owner(&self, b: &CudaBackend) -> Result<()> {
-        if Arc::ptr_eq(&self.dev, &b.dev) {
-            Ok(())
-        } else {
-            Err(Error::ForeignObject {
-                what: "cuda FFN weights",
-                backend: BACKEND,
-            })
-        }
+        b.check_device("cuda FFN weights", &self.dev)
     }
 }
 

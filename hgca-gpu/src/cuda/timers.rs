@@ -161,7 +161,7 @@ impl CudaBackend {
         iters: usize,
     ) -> Result<f64> {
         w.check_owner(self)?;
-        check_len("x", n * w.d_model(), x.len())?;
+        hgca_kernels::check_len_of("x", &[n, w.d_model()], x.len())?;
         for (what, v) in [("tokens", n), ("iters", iters)] {
             if v == 0 {
                 return Err(Error::Zero { what });
