@@ -14,7 +14,8 @@ use hgca_kernels::{
 };
 
 use crate::isa::{Kern, dispatch, load, store};
-use crate::qdot::{RowDot, row_dot_of};
+use crate::packed::{GROUP, GroupDot, group_dot_of};
+use crate::qdot::{QDotPath, RowDot, row_dot_of};
 use crate::{CpuBackend, DotBlock, PackBlock, PackedRows, Q8Acts};
 
 /// What a [`CpuBackend::sparse_ffn`] call computed.
@@ -402,6 +403,52 @@ trait RowOps<W> {
     fn fuses_downs(&self) -> bool {
         false
     }
+    /// Whether `dot16` takes sixteen rows together (faster than `dot`
+    /// sixteen times).
+    #[inline(always)]
+    fn groups(&self) -> bool {
+        false
+    }
+    /// `dot` of sixteen rows with `x`.
+    #[inline(always)]
+    fn dot16(&self, rows: &[&[W]; GROUP], x: &[f32], out: &mut [f32; GROUP]) {
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o = self.dot(r, x);
+        }
+    }
+}
+
+/// The integer dot products of a one-token call of
+/// [`CpuBackend::sparse_ffn_q8`]: a row's, sixteen rows' where the path has
+/// them, and the token quantised.
+struct IntDots<'a, W> {
+    row: RowDot<W>,
+    group: Option<GroupDot<W>>,
+    acts: &'a Q8Acts,
+}
+
+impl<W> Clone for IntDots<'_, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<W> Copy for IntDots<'_, W> {}
+
+impl<'a, W: DotBlock> IntDots<'a, W> {
+    /// The products of `path` against `acts`.
+    ///
+    /// # Safety
+    /// `path` is what [`CpuBackend::qmatvec_path`] returned on this CPU.
+    unsafe fn new(path: QDotPath, acts: &'a Q8Acts) -> Self {
+        // SAFETY: the caller's promise.
+        unsafe {
+            Self {
+                row: row_dot_of::<W>(path),
+                group: group_dot_of::<W>(path),
+                acts,
+            }
+        }
+    }
 }
 
 /// Q8_0 rows, codes widened in registers.
@@ -450,14 +497,29 @@ impl<S: Kern, W: WeightElem> RowOps<W> for SmallRows<'_, S> {
 /// Gate and up rows against a token quantised to Q8_0 ([`RowDot`]: the
 /// quantised matvec's integer dot products); down rows by `axpy`'s ops.
 struct IntRows<'a, W, R> {
-    dot: RowDot<W>,
-    acts: &'a Q8Acts,
+    dots: IntDots<'a, W>,
     axpy: &'a R,
 }
 impl<W: WeightElem, R: RowOps<W>> RowOps<W> for IntRows<'_, W, R> {
     #[inline(always)]
     fn dot(&self, row: &[W], _x: &[f32]) -> f32 {
-        (self.dot)(row, self.acts)
+        (self.dots.row)(row, self.dots.acts)
+    }
+    #[inline(always)]
+    fn groups(&self) -> bool {
+        self.dots.group.is_some()
+    }
+    #[inline(always)]
+    fn dot16(&self, rows: &[&[W]; GROUP], _x: &[f32], out: &mut [f32; GROUP]) {
+        if !self
+            .dots
+            .group
+            .is_some_and(|g| g(rows, self.dots.acts, out))
+        {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o = (self.dots.row)(r, self.dots.acts);
+            }
+        }
     }
     #[inline(always)]
     fn axpy(&self, row: &[W], a: f32, y: &mut [f32]) {
@@ -680,6 +742,34 @@ impl<'a, 'w, W: WeightElem> Prefetches<'a, 'w, W> {
     }
 }
 
+/// Fetches the rows that a sixteen-neuron walk reads of the neurons
+/// `first..first + GROUP` (those that exist), where a neuron does not
+/// follow the one before it (as [`prefetch_at`]): a group's next rows are
+/// fetched while the group before it is computed. (With a threshold only
+/// the gate rows; with the activations given, no gate rows.)
+#[inline(always)]
+fn prefetch_group<S: Kern, W: WeightElem>(
+    s: S,
+    w: &FfnWeights<'_, W>,
+    ids: Ids<'_>,
+    first: usize,
+    pick: Pick<'_>,
+) {
+    for j in first..(first + GROUP).min(ids.len()) {
+        if j > 0 && ids.get(j) == ids.get(j - 1) + 1 {
+            continue;
+        }
+        let [g, u, d] = rows_of(w, ids.get(j));
+        if !matches!(pick, Pick::Gated(_)) {
+            prefetch_row(s, g);
+        }
+        if !matches!(pick, Pick::Threshold(_)) {
+            prefetch_row(s, u);
+            prefetch_row(s, d);
+        }
+    }
+}
+
 /// Fetches every cache line of `row`.
 #[inline(always)]
 fn prefetch_row<S: Kern, W: WeightElem>(s: S, row: &[W]) {
@@ -739,7 +829,38 @@ fn token_part<S: Kern, W: WeightElem>(
         downs.flush(y, ops);
         return st;
     }
-    for k in 0..ids.len() {
+    let mut k = 0;
+    if ops.groups() {
+        // Sixteen neurons at a time: their gate rows' products together
+        // (unless given), then their up rows'.
+        let (mut g, mut u) = ([0.0f32; GROUP], [0.0f32; GROUP]);
+        if k + GROUP <= ids.len() {
+            prefetch_group(s, w, ids, 0, pick);
+        }
+        while k + GROUP <= ids.len() {
+            prefetch_group(s, w, ids, k + GROUP, pick);
+            let rows: [[&[W]; 3]; GROUP] = core::array::from_fn(|j| rows_of(w, ids.get(k + j)));
+            if !matches!(pick, Pick::Gated(_)) {
+                ops.dot16(&rows.map(|r| r[0]), x, &mut g);
+                st.rows += GROUP;
+            }
+            ops.dot16(&rows.map(|r| r[1]), x, &mut u);
+            for (j, [_, _, down]) in rows.into_iter().enumerate() {
+                let v = match pick {
+                    Pick::Gated(a) => a[k + j],
+                    _ => act.apply(g[j]),
+                };
+                if ops.fuses_downs() {
+                    prefetch_row(s, down);
+                }
+                downs.push(down, v * u[j], y, ops);
+            }
+            st.rows += 2 * GROUP;
+            st.active += GROUP;
+            k += GROUP;
+        }
+    }
+    for k in k..ids.len() {
         fetch.before(s, k);
         let [gate, up, down] = rows_of(w, ids.get(k));
         let v = match pick {
@@ -773,15 +894,11 @@ fn token_part_with<S: Kern, W: WeightElem, R: RowOps<W>>(
     pick: Pick<'_>,
     y: &mut [f32],
     ops: &R,
-    int: Option<(RowDot<W>, &Q8Acts)>,
+    int: Option<IntDots<'_, W>>,
 ) -> FfnStats {
     match int {
-        Some((dot, acts)) => {
-            let ops = IntRows {
-                dot,
-                acts,
-                axpy: ops,
-            };
+        Some(dots) => {
+            let ops = IntRows { dots, axpy: ops };
             token_part(s, act, w, x, ids, pick, y, &ops)
         }
         None => token_part(s, act, w, x, ids, pick, y, ops),
@@ -803,7 +920,7 @@ fn ffn_part<S: Kern, W: WeightElem>(
     n: usize,
     ids: Ids<'_>,
     pick: Pick<'_>,
-    int: Option<(RowDot<W>, &Q8Acts)>,
+    int: Option<IntDots<'_, W>>,
     y: &mut [f32],
 ) -> FfnStats {
     if n == 1 {
@@ -914,8 +1031,11 @@ impl CpuBackend {
     /// [`Self::qmatvec`]) multiply quantised weights: a decode step's gate
     /// and up rows take the quantised matvec's integer dot products (AVX-512
     /// VNNI: one `vpdpbusd` per two blocks, where the float path widens and
-    /// converts every code and multiplies it in f32); the down rows are
-    /// added in f32 as in `sparse_ffn`. The result
+    /// converts every code and multiplies it in f32; for a list, or the
+    /// kept neurons of the gated form, the 32-value formats' gate and up
+    /// rows sixteen at a time, put in [`PackedRows`]' layout in registers
+    /// as they are read); the down rows are added in f32 as in
+    /// `sparse_ffn`. The result
     /// is `sparse_ffn`'s for `x'`, `x` quantised to Q8_0 and dequantised
     /// ([`Q8Acts`]; a prompt chunk computes with `x'` itself), so each value
     /// of `x` moves by up to 1/254 of its block's largest magnitude, and a
@@ -953,8 +1073,8 @@ impl CpuBackend {
         let acts = Q8Acts::quantize(x, n, w.d_model)?;
         if n == 1 {
             // SAFETY: the path is `qmatvec_path`'s on this CPU.
-            let dot = unsafe { row_dot_of::<W>(Self::qmatvec_path(self.isa())) };
-            return self.ffn(act, w, x, n, neurons, out, Some((dot, &acts)));
+            let dots = unsafe { IntDots::new(Self::qmatvec_path(self.isa()), &acts) };
+            return self.ffn(act, w, x, n, neurons, out, Some(dots));
         }
         let mut xq = vec![0.0f32; x.len()];
         for (b, o) in acts.blocks().iter().zip(xq.chunks_exact_mut(32)) {
@@ -1033,9 +1153,9 @@ impl CpuBackend {
             vals.push(v);
         }
         // SAFETY: the path is `qmatvec_path`'s on this CPU.
-        let dot = unsafe { row_dot_of::<W>(Self::qmatvec_path(self.isa())) };
+        let dots = unsafe { IntDots::new(Self::qmatvec_path(self.isa()), &acts) };
         let pick = Pick::Gated(&vals);
-        let mut st = self.ffn_picked(act, w, x, 1, Some(&list), pick, out, Some((dot, &acts)))?;
+        let mut st = self.ffn_picked(act, w, x, 1, Some(&list), pick, out, Some(dots))?;
         st.rows += w.n_ff;
         Ok(st)
     }
@@ -1051,7 +1171,7 @@ impl CpuBackend {
         n: usize,
         neurons: Neurons<'_>,
         out: &mut [f32],
-        int: Option<(RowDot<W>, &Q8Acts)>,
+        int: Option<IntDots<'_, W>>,
     ) -> Result<FfnStats> {
         let d = w.d_model;
         if W::VALUES > MAX_BLOCK {
@@ -1087,7 +1207,7 @@ impl CpuBackend {
         list: Option<&[u32]>,
         pick: Pick<'_>,
         out: &mut [f32],
-        int: Option<(RowDot<W>, &Q8Acts)>,
+        int: Option<IntDots<'_, W>>,
     ) -> Result<FfnStats> {
         let d = w.d_model;
         let count = list.map_or(w.n_ff, <[u32]>::len);

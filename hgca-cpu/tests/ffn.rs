@@ -258,6 +258,42 @@ macro_rules! isa_suite {
                 }
             }
 
+            /// One token over lists long enough for the sixteen-row walk
+            /// (gate and up rows sixteen at a time, scattered, where the
+            /// ISA has it; one thread's list and two threads' parts, whole
+            /// groups and a partial one after them), and the gated threshold
+            /// form (its kept neurons' up rows sixteen at a time), for the
+            /// 32-value formats through Q8_0.
+            #[test]
+            fn sixteen_row_walks_match_the_reference() {
+                for par in [Par::Seq, Par::Rayon(2)] {
+                    let Some(b) = backend($kind, par) else { return };
+                    let shapes = [(32, 60), (64, 107), (96, 250), (160, 400)];
+                    for (i, &(d, n_ff)) in shapes.iter().enumerate() {
+                        for act in [FfnAct::Silu, FfnAct::Relu] {
+                            let s = 11 + i as u64;
+                            let r = case_q8::<BlockQ8_0>(&b, act, d, n_ff, 1, false, s)
+                                .and_then(|()| case_q8::<BlockQ4_0>(&b, act, d, n_ff, 1, false, s))
+                                .and_then(|()| case_q8::<BlockQ4_1>(&b, act, d, n_ff, 1, false, s))
+                                .and_then(|()| case_q8::<BlockQ5_0>(&b, act, d, n_ff, 1, false, s))
+                                .and_then(|()| {
+                                    case_q8_gated::<BlockQ8_0>(&b, act, d, n_ff, 1, true, s)
+                                })
+                                .and_then(|()| {
+                                    case_q8_gated::<BlockQ4_0>(&b, act, d, n_ff, 1, true, s)
+                                })
+                                .and_then(|()| {
+                                    case_q8_gated::<BlockQ4_1>(&b, act, d, n_ff, 1, true, s)
+                                })
+                                .and_then(|()| {
+                                    case_q8_gated::<BlockQ5_0>(&b, act, d, n_ff, 1, true, s)
+                                });
+                            r.unwrap_or_else(|e| panic!("{par:?} d {d} n_ff {n_ff} {act:?}: {e}"));
+                        }
+                    }
+                }
+            }
+
             /// Hot + cold = all neurons, and all neurons is the dense FFN.
             #[test]
             fn a_partition_sums_to_the_dense_ffn() {
