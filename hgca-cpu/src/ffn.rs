@@ -742,11 +742,8 @@ impl<'a, 'w, W: WeightElem> Prefetches<'a, 'w, W> {
     }
 }
 
-/// Fetches the rows that a sixteen-neuron walk reads of the neurons
-/// `first..first + GROUP` (those that exist), where a neuron does not
-/// follow the one before it (as [`prefetch_at`]): a group's next rows are
-/// fetched while the group before it is computed. (With a threshold only
-/// the gate rows; with the activations given, no gate rows.)
+/// [`prefetch_at`] for the neurons `first..first + GROUP`: a sixteen-neuron
+/// walk fetches a group's rows while it computes the group before.
 #[inline(always)]
 fn prefetch_group<S: Kern, W: WeightElem>(
     s: S,
@@ -755,18 +752,8 @@ fn prefetch_group<S: Kern, W: WeightElem>(
     first: usize,
     pick: Pick<'_>,
 ) {
-    for j in first..(first + GROUP).min(ids.len()) {
-        if j > 0 && ids.get(j) == ids.get(j - 1) + 1 {
-            continue;
-        }
-        let [g, u, d] = rows_of(w, ids.get(j));
-        if !matches!(pick, Pick::Gated(_)) {
-            prefetch_row(s, g);
-        }
-        if !matches!(pick, Pick::Threshold(_)) {
-            prefetch_row(s, u);
-            prefetch_row(s, d);
-        }
+    for j in first..first + GROUP {
+        prefetch_at(s, w, ids, j, pick);
     }
 }
 
