@@ -412,9 +412,20 @@ trait RowOps<W> {
     /// `dot` of sixteen rows with `x`.
     #[inline(always)]
     fn dot16(&self, rows: &[&[W]; GROUP], x: &[f32], out: &mut [f32; GROUP]) {
-        for (o, r) in out.iter_mut().zip(rows) {
-            *o = self.dot(r, x);
-        }
+        dot_each(self, rows, x, out);
+    }
+}
+
+/// [`RowOps::dot`] of each of sixteen rows.
+#[inline(always)]
+fn dot_each<W>(
+    ops: &(impl RowOps<W> + ?Sized),
+    rows: &[&[W]; GROUP],
+    x: &[f32],
+    out: &mut [f32; GROUP],
+) {
+    for (o, r) in out.iter_mut().zip(rows) {
+        *o = ops.dot(r, x);
     }
 }
 
@@ -510,15 +521,14 @@ impl<W: WeightElem, R: RowOps<W>> RowOps<W> for IntRows<'_, W, R> {
         self.dots.group.is_some()
     }
     #[inline(always)]
-    fn dot16(&self, rows: &[&[W]; GROUP], _x: &[f32], out: &mut [f32; GROUP]) {
+    fn dot16(&self, rows: &[&[W]; GROUP], x: &[f32], out: &mut [f32; GROUP]) {
+        // A row at a time where the group's product declines the rows.
         if !self
             .dots
             .group
             .is_some_and(|g| g(rows, self.dots.acts, out))
         {
-            for (o, r) in out.iter_mut().zip(rows) {
-                *o = (self.dots.row)(r, self.dots.acts);
-            }
+            dot_each(self, rows, x, out);
         }
     }
     #[inline(always)]
@@ -820,10 +830,8 @@ fn token_part<S: Kern, W: WeightElem>(
     if ops.groups() {
         // Sixteen neurons at a time: their gate rows' products together
         // (unless given), then their up rows'.
+        // (The first group's rows: the walk's `fetch` started on them.)
         let (mut g, mut u) = ([0.0f32; GROUP], [0.0f32; GROUP]);
-        if k + GROUP <= ids.len() {
-            prefetch_group(s, w, ids, 0, pick);
-        }
         while k + GROUP <= ids.len() {
             prefetch_group(s, w, ids, k + GROUP, pick);
             let rows: [[&[W]; 3]; GROUP] = core::array::from_fn(|j| rows_of(w, ids.get(k + j)));
@@ -837,9 +845,6 @@ fn token_part<S: Kern, W: WeightElem>(
                     Pick::Gated(a) => a[k + j],
                     _ => act.apply(g[j]),
                 };
-                if ops.fuses_downs() {
-                    prefetch_row(s, down);
-                }
                 downs.push(down, v * u[j], y, ops);
             }
             st.rows += 2 * GROUP;

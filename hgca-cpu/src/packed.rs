@@ -710,9 +710,8 @@ mod x86 {
         }
     }
 
-    /// Sixteen blocks. codes (`p[r]` row `r`'s), in the
-    /// packed layout: register `j` lane `r` holds bytes `4 j .. 4 j + 4`
-    /// of row `r`. The rows are loaded four to a register (register `k`
+    /// Sixteen rows' 16 bytes (row `r`'s at `p[r]`) in the packed layout:
+    /// register `j` lane `r` holds bytes `4 j .. 4 j + 4` of row `r`. The rows are loaded four to a register (register `k`
     /// lane `l`: row `4 l + k`) and the 4 x 4 words of each 128-bit lane
     /// transposed.
     ///
