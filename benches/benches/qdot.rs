@@ -8,7 +8,7 @@
 //! machine has (AVX2 and AVX-512 VNNI side by side where both run).
 //!
 //! Every format also runs repacked sixteen rows at a time
-//! (`PackedRows`, `qmatvec_packed`) on the AVX-512 VNNI path.
+//! (`PackedRows`, `qmatvec_packed`) on each SIMD path (AVX2, AVX-512 VNNI).
 //!
 //! A prefill chunk of 512 tokens through the repacked Q5_0 rows prints
 //! integer GOP/s against the f32 FMA peak probe (the f32 GEMM it replaces
@@ -85,9 +85,31 @@ fn run<B: DotBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec<B
     }
 }
 
+/// A backend per SIMD kernel path of [`paths`] (the repacked rows'
+/// kernels) and thread count (1, 2); `what` is skipped, with a printed
+/// reason, where there is none.
+fn simd_backends(what: &str) -> Vec<(QDotPath, usize, CpuBackend)> {
+    let mut v = paths();
+    v.retain(|&(_, p)| p != QDotPath::Portable);
+    if v.is_empty() {
+        eprintln!("qdot: {what} skipped: no SIMD path on this machine");
+    }
+    let mut out = Vec::new();
+    for (isa, path) in v {
+        for threads in [1usize, 2] {
+            let cpu = CpuBackend::new()
+                .with_isa(isa)
+                .and_then(|c| c.with_par(par(threads)))
+                .expect("a detected ISA and a pool");
+            out.push((path, threads, cpu));
+        }
+    }
+    out
+}
+
 /// The same matrices repacked sixteen rows at a time
-/// (`CpuBackend::qmatvec_packed`), on the AVX-512 VNNI path, the one the
-/// layout is for (skipped with a printed reason where it is absent).
+/// (`CpuBackend::qmatvec_packed`), on each SIMD path (skipped with a
+/// printed reason where there is none).
 fn run_packed<B: PackBlock>(
     crit: &mut Criterion,
     rep: &Report,
@@ -95,13 +117,6 @@ fn run_packed<B: PackBlock>(
     ws: &[Vec<B>],
     rows: usize,
 ) {
-    let Some((isa, path)) = paths()
-        .into_iter()
-        .find(|&(_, p)| p == QDotPath::Avx512Vnni)
-    else {
-        eprintln!("qdot: packed rows skipped: no AVX-512 VNNI path on this machine");
-        return;
-    };
     let k = ws[0].len() / rows * B::VALUES;
     let packed: Vec<PackedRows<B>> = ws
         .iter()
@@ -109,11 +124,7 @@ fn run_packed<B: PackBlock>(
         .collect();
     let acts = Q8Acts::quantize(&fill(k, 42), 1, k).expect("a whole block");
     let mut y = vec![0.0f32; rows];
-    for threads in [1usize, 2] {
-        let cpu = CpuBackend::new()
-            .with_isa(isa)
-            .and_then(|c| c.with_par(par(threads)))
-            .expect("a detected ISA and a pool");
+    for (path, threads, cpu) in simd_backends("packed rows") {
         let bytes = packed[0].bytes() as u64;
         let set = packed.len() * packed[0].bytes();
         let id = format!("qdot/{path:?}-packed/{}/{shape}-t{threads}", B::NAME);
@@ -135,8 +146,8 @@ fn both<B: PackBlock>(crit: &mut Criterion, rep: &Report, shape: &str, ws: &[Vec
 /// Tokens of the prefill chunk [`prefill`] multiplies.
 const PREFILL: usize = 512;
 
-/// A prefill chunk of [`PREFILL`] tokens through the repacked rows on the
-/// AVX-512 VNNI path: the integer kernel that replaces an f32 GEMM there.
+/// A prefill chunk of [`PREFILL`] tokens through the repacked rows on each
+/// SIMD path: the integer kernel that replaces an f32 GEMM there.
 /// Returns (id, integer operations per call, threads) per run.
 fn prefill<B: PackBlock>(
     crit: &mut Criterion,
@@ -144,23 +155,12 @@ fn prefill<B: PackBlock>(
     w: &[B],
     rows: usize,
 ) -> Vec<(String, f64, usize)> {
-    let Some((isa, path)) = paths()
-        .into_iter()
-        .find(|&(_, p)| p == QDotPath::Avx512Vnni)
-    else {
-        eprintln!("qdot: packed prefill skipped: no AVX-512 VNNI path on this machine");
-        return Vec::new();
-    };
     let k = w.len() / rows * B::VALUES;
     let packed = PackedRows::new(w, rows, k).expect("whole blocks");
     let acts = Q8Acts::quantize(&fill(PREFILL * k, 7), PREFILL, k).expect("whole blocks");
     let mut y = vec![0.0f32; PREFILL * rows];
     let mut out = Vec::new();
-    for threads in [1usize, 2] {
-        let cpu = CpuBackend::new()
-            .with_isa(isa)
-            .and_then(|c| c.with_par(par(threads)))
-            .expect("a detected ISA and a pool");
+    for (path, threads, cpu) in simd_backends("packed prefill") {
         let id = format!(
             "qdot/{path:?}-packed/{}/ffn-prefill{PREFILL}-t{threads}",
             B::NAME

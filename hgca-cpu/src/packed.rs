@@ -1,6 +1,7 @@
 //! GGUF's rows (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) repacked sixteen rows
 //! at a time for the matrix-vector product of decoding, and the integer
-//! product of prefill chunks, on AVX-512 VNNI.
+//! product of prefill chunks, on AVX-512 VNNI and (eight rows to each
+//! 256-bit half) on AVX2.
 //!
 //! In GGUF's layout a block's codes and scales are one row's; the kernel
 //! of [`CpuBackend::qmatvec`] works a row at a time and spends most of its
@@ -20,6 +21,15 @@
 //! chunk) share a column's unpacked codes four at a time, and from
 //! sixteen tokens the threads share out tokens, each writing its rows of
 //! the output in place.
+//!
+//! AVX2 has no `vpdpbusd`: its kernel reads each 64-byte part as two
+//! 256-bit registers of eight rows and multiplies with `vpmaddubsw` (codes
+//! times activation codes, pairs summed to i16) and `vpmaddwd` against
+//! ones (to i32), summing the i16 pairs of several registers first where
+//! they cannot overflow (eight for the 4-bit formats, four for Q5_0, two
+//! for Q6_K, one for Q8_0). On a Zen 1 decoding's matrices of the 4-, 5-
+//! and 6-bit formats ran 1.07-1.29x faster than a row at a time, Q8_0's
+//! slower (hgca-llm does not repack Q8_0 there).
 //!
 //! Rows that cannot be repacked ahead (a sparse FFN's active neurons,
 //! wherever they lie) can still be taken sixteen at a time: the 32-value
@@ -422,15 +432,131 @@ fn group_scalar<B: PackBlock>(group: &[u8], x: Token<'_>, out: &mut [f32]) {
     }
 }
 
+/// Tokens a row group's unpacked codes serve at a time when there are
+/// several (prefill chunks): the unpacking is shared, each token adds its
+/// products and scales.
+const TILE: usize = 4;
+
+/// A row group's kernel: per token of the tile, the sums of the group's
+/// sixteen rows (the padding rows' too).
+type GroupFn<const T: usize> = for<'a, 'b> unsafe fn(&'a [u8], [Token<'b>; T]) -> [[f32; GROUP]; T];
+
+/// The kernels of one path: for one token and for a tile of them.
+#[derive(Clone, Copy)]
+struct Kernels {
+    one: GroupFn<1>,
+    tile: GroupFn<TILE>,
+}
+
+/// One row group against `T` tokens, portable code.
+fn portable<B: PackBlock, const T: usize>(data: &[u8], x: [Token<'_>; T]) -> [[f32; GROUP]; T] {
+    x.map(|x| {
+        let mut s = [0.0f32; GROUP];
+        group_scalar::<B>(data, x, &mut s);
+        s
+    })
+}
+
+/// The row group kernels of `path` for format `B`.
+///
+/// # Safety
+/// `path` is what [`CpuBackend::qmatvec_path`] returned on this CPU (it
+/// detected what the SIMD kernels need).
+unsafe fn kernels<B: PackBlock>(path: QDotPath) -> Kernels {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        QDotPath::Avx512Vnni => Kernels {
+            one: x86::sums::<B, 1>,
+            tile: x86::sums::<B, TILE>,
+        },
+        #[cfg(target_arch = "x86_64")]
+        QDotPath::Avx2 => Kernels {
+            one: avx2::sums::<B, 1>,
+            tile: avx2::sums::<B, TILE>,
+        },
+        _ => Kernels {
+            one: portable::<B, 1>,
+            tile: portable::<B, TILE>,
+        },
+    }
+}
+
+impl Kernels {
+    /// Row group `data` against tokens `first..first + count` of `acts`,
+    /// a tile at a time: `put(t, sums)` for each (`t` from 0).
+    fn each_token(
+        self,
+        data: &[u8],
+        acts: &Q8Acts,
+        first: usize,
+        count: usize,
+        mut put: impl FnMut(usize, &[f32; GROUP]),
+    ) {
+        let mut t = 0;
+        while t + TILE <= count {
+            let x = core::array::from_fn(|j| acts.token(first + t + j));
+            // SAFETY: `kernels`' caller vouched for the path.
+            let s = unsafe { (self.tile)(data, x) };
+            for (j, s) in s.iter().enumerate() {
+                put(t + j, s);
+            }
+            t += TILE;
+        }
+        for t in t..count {
+            // SAFETY: as above.
+            let [s] = unsafe { (self.one)(data, [acts.token(first + t)]) };
+            put(t, &s);
+        }
+    }
+
+    /// Every row group against tokens `first..` of `acts` into `out`
+    /// (`[tokens, rows]`, as many tokens as it holds): a group's columns
+    /// stay in L1 while the tokens pass.
+    fn tokens<B: PackBlock>(self, w: &PackedRows<B>, first: usize, acts: &Q8Acts, out: &mut [f32]) {
+        let rows = w.rows;
+        let count = out.len() / rows;
+        for g in 0..rows.div_ceil(GROUP) {
+            let (r0, live) = (g * GROUP, GROUP.min(rows - g * GROUP));
+            self.each_token(w.group(g), acts, first, count, |t, s| {
+                out[t * rows + r0..][..live].copy_from_slice(&s[..live]);
+            });
+        }
+    }
+
+    /// Row groups from `first` against every token of `acts` into `out`
+    /// (`[rows, n]` for the groups' rows).
+    fn groups<B: PackBlock>(self, w: &PackedRows<B>, first: usize, acts: &Q8Acts, out: &mut [f32]) {
+        let n = acts.tokens();
+        for (i, o) in out.chunks_mut(GROUP * n).enumerate() {
+            let g = first + i;
+            // The next group's columns, a cache line at a time: a task's
+            // groups are one stream of a few tens of KiB.
+            #[cfg(target_arch = "x86_64")]
+            if g + 1 < w.rows.div_ceil(GROUP) {
+                for line in w.group(g + 1).chunks(64) {
+                    // SAFETY: SSE is part of x86-64; a prefetch does not
+                    // fault.
+                    unsafe {
+                        core::arch::x86_64::_mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(
+                            line.as_ptr().cast(),
+                        );
+                    }
+                }
+            }
+            let live = o.len() / n;
+            self.each_token(w.group(g), acts, 0, n, |t, s| {
+                for (r, &v) in s[..live].iter().enumerate() {
+                    o[r * n + t] = v;
+                }
+            });
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
     use core::arch::x86_64::*;
-
-    /// Tokens a row group's unpacked codes serve at a time when there are
-    /// several (prefill chunks): the unpacking is shared, each token adds
-    /// eight `vpdpbusd` and its scales.
-    const TILE: usize = 4;
 
     /// A column's codes in eight registers (register `c` lane `r`: codes
     /// `4 c .. 4 c + 4` of row `r`), unsigned; for Q8_0 their magnitudes,
@@ -619,95 +745,19 @@ mod x86 {
         acc
     }
 
-    /// Token `t`'s sums `v` of a row group into `o` (`[rows, n]` for the
-    /// group's rows, as many as it holds).
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn store(o: &mut [f32], n: usize, t: usize, v: __m512) {
-        let mut sums = [0.0f32; GROUP];
-        // SAFETY: 16 writable f32.
-        unsafe { _mm512_storeu_ps(sums.as_mut_ptr(), v) };
-        for (r, &s) in sums[..o.len() / n].iter().enumerate() {
-            o[r * n + t] = s;
-        }
-    }
-
-    /// A row group's sums `v` into `o[r0..]`, lanes `live`.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn put(o: &mut [f32], r0: usize, live: __mmask16, v: __m512) {
-        let end = o.len().min(r0 + GROUP);
-        let o = &mut o[r0..end];
-        // SAFETY: `live` masks the lanes past `o`'s end.
-        unsafe { _mm512_mask_storeu_ps(o.as_mut_ptr(), live, v) };
-    }
-
-    /// Every row group against tokens `first..` of `acts` into `out`
-    /// (`[tokens, rows]`, as many tokens as it holds).
+    /// One row group against `T` tokens: per token the sixteen rows' sums.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) fn tokens<B: PackBlock>(
-        w: &PackedRows<B>,
-        first: usize,
-        acts: &Q8Acts,
-        out: &mut [f32],
-    ) {
-        let rows = w.rows;
-        let tn = out.len() / rows;
-        for g in 0..rows.div_ceil(GROUP) {
-            let data = w.group(g);
-            let r0 = g * GROUP;
-            let live: __mmask16 = if rows - r0 >= GROUP {
-                0xFFFF
-            } else {
-                (1 << (rows - r0)) - 1
-            };
-            let mut t = 0;
-            while t + TILE <= tn {
-                let x = core::array::from_fn(|j| acts.token(first + t + j));
-                for (j, v) in group::<B, TILE>(data, x).into_iter().enumerate() {
-                    put(&mut out[(t + j) * rows..][..rows], r0, live, v);
-                }
-                t += TILE;
-            }
-            for t in t..tn {
-                let v = group::<B, 1>(data, [acts.token(first + t)])[0];
-                put(&mut out[t * rows..][..rows], r0, live, v);
-            }
+    pub(super) fn sums<B: PackBlock, const T: usize>(
+        data: &[u8],
+        x: [Token<'_>; T],
+    ) -> [[f32; GROUP]; T] {
+        let v = group::<B, T>(data, x);
+        let mut out = [[0.0f32; GROUP]; T];
+        for (o, v) in out.iter_mut().zip(v) {
+            // SAFETY: 16 writable f32.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
         }
-    }
-
-    /// Row groups from `first` against every token of `acts` into `out`
-    /// (`[rows, n]` for the groups' rows).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub(super) fn groups<B: PackBlock>(
-        w: &PackedRows<B>,
-        first: usize,
-        acts: &Q8Acts,
-        out: &mut [f32],
-    ) {
-        let n = acts.tokens();
-        for (i, o) in out.chunks_mut(GROUP * n).enumerate() {
-            let g = first + i;
-            let data = w.group(g);
-            // The next group's columns, a cache line at a time: a task's
-            // groups are one stream of a few tens of KiB.
-            if g + 1 < w.rows.div_ceil(GROUP) {
-                for line in w.group(g + 1).chunks(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
-                }
-            }
-            let mut t = 0;
-            while t + TILE <= n {
-                let x = core::array::from_fn(|j| acts.token(t + j));
-                for (j, v) in group::<B, TILE>(data, x).into_iter().enumerate() {
-                    store(o, n, t + j, v);
-                }
-                t += TILE;
-            }
-            for t in t..n {
-                store(o, n, t, group::<B, 1>(data, [acts.token(t)])[0]);
-            }
-        }
+        out
     }
 
     /// Sixteen rows' 16 bytes (row `r`'s at `p[r]`) in the packed layout:
@@ -856,6 +906,238 @@ mod x86 {
     }
 }
 
+/// The AVX2 kernel over the same layout: a row group is two halves of
+/// eight rows, a 256-bit register a half (bytes `32 h .. 32 h + 32` of
+/// each 64-byte part are half `h`'s), and `vpmaddubsw` (unsigned codes
+/// times signed activation codes, pairs summed to i16) with `vpmaddwd`
+/// (pairs of those to i32) stands in for `vpdpbusd`.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use core::arch::x86_64::*;
+
+    /// Rows a register holds, a 32-bit lane each.
+    const HALF: usize = GROUP / 2;
+
+    /// Half `h`'s codes of a column in eight registers (register `c` lane
+    /// `r`: codes `4 c .. 4 c + 4` of row `8 h + r`), unsigned but for
+    /// Q8_0's.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn unpack<B: PackBlock>(col: &[u8], h: usize) -> [__m256i; 8] {
+        let (extra, _) = column_offsets(B::KIND);
+        let col = &col[..B::COLUMN_BYTES];
+        let p = col.as_ptr();
+        let mut q = [_mm256_setzero_si256(); 8];
+        if B::KIND == DotKind::Q8_0 {
+            for (c, q) in q.iter_mut().enumerate() {
+                // SAFETY: a Q8_0 column holds 512 bytes of codes.
+                *q = unsafe { _mm256_loadu_si256(p.add(64 * c + 32 * h).cast()) };
+            }
+            return q;
+        }
+        let low = _mm256_set1_epi8(0x0F);
+        for part in 0..4 {
+            // SAFETY: a column holds 256 bytes of nibbles, Q5_0's eight
+            // masks of 8 bytes and Q6_K's two parts of 64 after them.
+            let v = unsafe { _mm256_loadu_si256(p.add(64 * part + 32 * h).cast()) };
+            q[2 * part] = _mm256_and_si256(v, low);
+            q[2 * part + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+        }
+        if B::KIND == DotKind::Q5_0 {
+            // Byte `i` takes the mask's byte `i / 8` (the same four bytes
+            // in each 128-bit lane) and tests its bit `i % 8`.
+            let pick = _mm256_setr_epi8(
+                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                3, 3, 3, 3,
+            );
+            let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+            let sixteen = _mm256_set1_epi8(16);
+            for (c, q) in q.iter_mut().enumerate() {
+                // SAFETY: as above; half `h`'s 32 bits of mask `c`.
+                let m = unsafe { p.add(extra + 8 * c + 4 * h).cast::<i32>().read_unaligned() };
+                let bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(m), pick), bit);
+                let set = _mm256_cmpeq_epi8(bits, bit);
+                *q = _mm256_or_si256(*q, _mm256_and_si256(set, sixteen));
+            }
+        }
+        if B::KIND == DotKind::Q6K {
+            let top = _mm256_set1_epi8(0x30);
+            for part in 0..2 {
+                // SAFETY: as above.
+                let v = unsafe { _mm256_loadu_si256(p.add(extra + 64 * part + 32 * h).cast()) };
+                // Bits 2k, 2k + 1 of each byte to bits 4, 5 (16-bit
+                // shifts: the mask drops what crosses a byte).
+                let t = [
+                    _mm256_slli_epi16::<4>(v),
+                    _mm256_slli_epi16::<2>(v),
+                    v,
+                    _mm256_srli_epi16::<2>(v),
+                ];
+                for (k, t) in t.into_iter().enumerate() {
+                    let c = 4 * part + k;
+                    q[c] = _mm256_or_si256(q[c], _mm256_and_si256(t, top));
+                }
+            }
+        }
+        q
+    }
+
+    /// Eight f16 at the start of `b`, widened.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    fn f16x8(b: &[u8]) -> __m256 {
+        let b = &b[..2 * HALF];
+        // SAFETY: 16 readable bytes.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(b.as_ptr().cast())) }
+    }
+
+    /// Eight bytes at the start of `b` (signed or not) as f32.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn bytes8(b: &[u8], signed: bool) -> __m256 {
+        let b = &b[..HALF];
+        // SAFETY: 8 readable bytes.
+        let v = unsafe { _mm_loadl_epi64(b.as_ptr().cast()) };
+        _mm256_cvtepi32_ps(if signed {
+            _mm256_cvtepi8_epi32(v)
+        } else {
+            _mm256_cvtepu8_epi32(v)
+        })
+    }
+
+    /// Half `h`'s multipliers of a column (as the AVX-512 kernel's
+    /// `scales`), from the super-block's header `head`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn scales<B: PackBlock>(head: &[u8], col: &[u8], h: usize) -> [__m256; 3] {
+        let (_, at) = column_offsets(B::KIND);
+        let p = &col[at..];
+        let (f, b) = (2 * HALF * h, HALF * h);
+        match B::KIND {
+            DotKind::Q4K => {
+                let (d, dmin) = (f16x8(&head[f..]), f16x8(&head[2 * GROUP + f..]));
+                let (sc, mn) = (bytes8(&p[b..], false), bytes8(&p[GROUP + b..], false));
+                let a = _mm256_mul_ps(d, sc);
+                [a, a, _mm256_mul_ps(dmin, mn)]
+            }
+            DotKind::Q6K => {
+                let d = f16x8(&head[f..]);
+                let (s0, s1) = (bytes8(&p[b..], true), bytes8(&p[GROUP + b..], true));
+                [
+                    _mm256_mul_ps(d, s0),
+                    _mm256_mul_ps(d, s1),
+                    _mm256_setzero_ps(),
+                ]
+            }
+            DotKind::Q4_1 => {
+                let d = f16x8(&p[f..]);
+                [d, d, f16x8(&p[2 * GROUP + f..])]
+            }
+            _ => {
+                let d = f16x8(&p[f..]);
+                [d, d, d]
+            }
+        }
+    }
+
+    /// Column `b` of a half (`q` as [`unpack`] gives it, multipliers as
+    /// [`scales`]) against `T` tokens, added to `acc` and `off` as the
+    /// AVX-512 kernel's `column` does.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn column<const T: usize>(
+        kind: DotKind,
+        q: &[__m256i; 8],
+        [a0, a1, m]: [__m256; 3],
+        x: &[Token<'_>; T],
+        b: usize,
+        acc: &mut [__m256; T],
+        off: &mut [__m256; T],
+    ) {
+        let ones = _mm256_set1_epi16(1);
+        // Registers whose i16 pair sums are added before widening: none
+        // can leave i16 (activation codes are within ±127): eight of 4-bit
+        // codes (8 * 2 * 15 * 127 = 30480), four of Q5_0's (31496), two of
+        // Q6_K's (32004), one of Q8_0's magnitudes (2 * 128 * 127 = 32512).
+        let run = match kind {
+            DotKind::Q8_0 => 1,
+            DotKind::Q6K => 2,
+            DotKind::Q5_0 => 4,
+            _ => 8,
+        };
+        for t in 0..T {
+            let xq: [i32; 8] = bytemuck::cast(x[t].blocks[b].qs);
+            // The sums of the column's first 16 values (registers 0..4) and
+            // of its last 16.
+            let mut h = [_mm256_setzero_si256(); 2];
+            for c0 in (0..8).step_by(run) {
+                let mut s = _mm256_setzero_si256();
+                for c in c0..c0 + run {
+                    let xb = _mm256_set1_epi32(xq[c]);
+                    let p = if kind == DotKind::Q8_0 {
+                        // |w| times x with w's sign.
+                        _mm256_maddubs_epi16(
+                            _mm256_sign_epi8(q[c], q[c]),
+                            _mm256_sign_epi8(xb, q[c]),
+                        )
+                    } else {
+                        _mm256_maddubs_epi16(q[c], xb)
+                    };
+                    s = _mm256_add_epi16(s, p);
+                }
+                h[c0 / 4] = _mm256_add_epi32(h[c0 / 4], _mm256_madd_epi16(s, ones));
+            }
+            let sx = _mm256_set1_ps(x[t].scales[b]);
+            if kind == DotKind::Q6K {
+                let (f0, f1) = (_mm256_cvtepi32_ps(h[0]), _mm256_cvtepi32_ps(h[1]));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(a0, sx), f0, acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(a1, sx), f1, acc[t]);
+                let u = &x[t].sums16[2 * b..2 * b + 2];
+                off[t] = _mm256_fmadd_ps(a0, _mm256_set1_ps(u[0]), off[t]);
+                off[t] = _mm256_fmadd_ps(a1, _mm256_set1_ps(u[1]), off[t]);
+            } else {
+                let dot = _mm256_cvtepi32_ps(_mm256_add_epi32(h[0], h[1]));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(a0, sx), dot, acc[t]);
+                if kind != DotKind::Q8_0 {
+                    off[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(x[t].sums[b]), off[t]);
+                }
+            }
+        }
+    }
+
+    /// One row group against `T` tokens: per token the sixteen rows' sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn sums<B: PackBlock, const T: usize>(
+        data: &[u8],
+        x: [Token<'_>; T],
+    ) -> [[f32; GROUP]; T] {
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        let mut off = [[_mm256_setzero_ps(); T]; 2];
+        for (s, sup) in data.chunks_exact(super_bytes::<B>()).enumerate() {
+            let (head, cols) = sup.split_at(B::HEADER);
+            for (j, col) in cols.chunks_exact(B::COLUMN_BYTES).enumerate() {
+                let b = columns::<B>() * s + j;
+                for h in 0..2 {
+                    let q = unpack::<B>(col, h);
+                    let sc = scales::<B>(head, col, h);
+                    column(B::KIND, &q, sc, &x, b, &mut acc[h], &mut off[h]);
+                }
+            }
+        }
+        let f = _mm256_set1_ps(offset_factor(B::KIND));
+        let mut out = [[0.0f32; GROUP]; T];
+        for (h, (acc, off)) in acc.iter().zip(&off).enumerate() {
+            for (o, (&a, &m)) in out.iter_mut().zip(acc.iter().zip(off)) {
+                let o = &mut o[HALF * h..HALF * h + HALF];
+                // SAFETY: 8 writable f32.
+                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), _mm256_fmadd_ps(f, m, a)) };
+            }
+        }
+        out
+    }
+}
+
 /// Sixteen rows' dot products with the first token of a [`Q8Acts`], the
 /// rows anywhere ([`gathered`](x86::gathered)); `false` (nothing written)
 /// where it cannot take them (then a row at a time does).
@@ -883,9 +1165,11 @@ impl CpuBackend {
     /// `y = x W^T`, `y` `[n, rows]` row-major for the `n` tokens of
     /// `acts`. The same products, summed in another order (each token's
     /// result is the same whatever the threading). The AVX-512 VNNI path
-    /// ([`QDotPath::Avx512Vnni`]) is what the layout is for; elsewhere
-    /// portable code reads it (slower than `qmatvec`'s SIMD paths over
-    /// GGUF's layout: repack only where the VNNI path runs).
+    /// ([`QDotPath::Avx512Vnni`]) is what the layout is for; the AVX2 path
+    /// reads each 64-byte part as two registers of eight rows
+    /// (`vpmaddubsw`, `vpmaddwd`; faster than `qmatvec` on a Zen 1 for
+    /// every format but Q8_0); elsewhere portable code reads it (slower than
+    /// `qmatvec` over GGUF's layout: do not repack there).
     ///
     /// # Errors
     /// [`Error::Param`] when `acts` has another width than the rows,
@@ -912,51 +1196,19 @@ impl CpuBackend {
             y.fill(0.0);
             return Ok(());
         }
-        let path = Self::qmatvec_path(self.isa);
-        let part = |first_group: usize, out: &mut [f32]| match path {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `qmatvec_path` detected AVX-512 F/BW/VL, VNNI, AVX2,
-            // FMA and F16C for this path.
-            QDotPath::Avx512Vnni => unsafe { x86::groups(w, first_group, acts, out) },
-            _ => {
-                for (i, o) in out.chunks_mut(GROUP * n).enumerate() {
-                    let mut sums = [0.0f32; GROUP];
-                    let live = o.len() / n;
-                    for t in 0..n {
-                        group_scalar::<B>(
-                            w.group(first_group + i),
-                            acts.token(t),
-                            &mut sums[..live],
-                        );
-                        for (r, &s) in sums[..live].iter().enumerate() {
-                            o[r * n + t] = s;
-                        }
-                    }
-                }
-            }
-        };
+        // SAFETY: `qmatvec_path` detected what its path's kernels need.
+        let k = unsafe { kernels::<B>(Self::qmatvec_path(self.isa)) };
         if n >= TOKEN_SPLIT {
             // Tasks of whole tokens (contiguous in y), each over every row
             // group: a group's columns stay in L1 while a task's tokens
-            // pass, four at a time.
-            let per_task = n.div_ceil(2 * self.threads()).next_multiple_of(4);
-            self.for_chunks(y, per_task * rows, |i, out| match path {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                QDotPath::Avx512Vnni => unsafe { x86::tokens(w, i * per_task, acts, out) },
-                _ => {
-                    for g in 0..rows.div_ceil(GROUP) {
-                        let r0 = g * GROUP;
-                        let live = GROUP.min(rows - r0);
-                        for (j, o) in out.chunks_exact_mut(rows).enumerate() {
-                            let x = acts.token(i * per_task + j);
-                            group_scalar::<B>(w.group(g), x, &mut o[r0..r0 + live]);
-                        }
-                    }
-                }
+            // pass, a tile at a time.
+            let per_task = n.div_ceil(2 * self.threads()).next_multiple_of(TILE);
+            self.for_chunks(y, per_task * rows, |i, out| {
+                k.tokens(w, i * per_task, acts, out);
             });
             return Ok(());
         }
+        let part = |first_group: usize, out: &mut [f32]| k.groups(w, first_group, acts, out);
         let per_task = crate::qdot::rows_per_task(rows, self.threads()).next_multiple_of(GROUP);
         let groups_per_task = per_task / GROUP;
         if n == 1 {

@@ -148,8 +148,17 @@ impl NativePart {
     fn new(p: QTensor) -> Result<Self> {
         let (rows, k) = (p.shape().dims()[0], p.shape().dims()[1]);
         let path = hgca_cpu::CpuBackend::qmatvec_path(native_backend().isa());
-        let pack = path == hgca_cpu::QDotPath::Avx512Vnni;
+        // Repacked where its kernel beats a row at a time: on the AVX-512
+        // VNNI path every format; on the AVX2 path all but Q8_0 (whose
+        // codes' signs cost the AVX2 kernel a step per token: slower than
+        // a row at a time there).
+        let pack = |dtype: GgmlDType| match path {
+            hgca_cpu::QDotPath::Avx512Vnni => true,
+            hgca_cpu::QDotPath::Avx2 => dtype != GgmlDType::Q8_0,
+            _ => false,
+        };
         let blocks = |dtype: GgmlDType, b: &[u8]| -> Result<HgcaRows> {
+            let pack = pack(dtype);
             Ok(match dtype {
                 GgmlDType::Q4_0 if pack => HgcaRows::PackedQ4_0(packed(b, rows, k)?),
                 GgmlDType::Q4_1 if pack => HgcaRows::PackedQ4_1(packed(b, rows, k)?),
