@@ -130,6 +130,10 @@ pub(crate) fn parts<B: DotBlock>(b: &B) -> ([i8; 32], f32, f32) {
 /// `n` tokens of `k` values each (`k` a multiple of 32), each block's
 /// scale the block's largest magnitude over 127, codes rounded to nearest
 /// (as [`BlockQ8_0::quantize`]; llama.cpp and candle quantise the same way).
+///
+/// Every code lies in `-127..=127` (never -128): the AVX2 kernels' i16
+/// sums rely on it (Q8_0 weights' `|w| * a` pairs reach 2 * 128 * 127 =
+/// 32512), so a constructor added here must keep it.
 #[derive(Debug, Clone, Default)]
 pub struct Q8Acts {
     n: usize,

@@ -268,6 +268,30 @@ fn extreme_codes(cpu: &CpuBackend) {
     mixed.iter_mut().step_by(2).for_each(|v| *v = -1.0);
     check(cpu, &w, 2, &mixed, 1, 64).unwrap();
 
+    // The other 32-value formats' largest codes (Q4_0 and Q4_1 15, Q5_0 31)
+    // against activations at the top of their range: the AVX2 kernel's
+    // i16 sums of eight registers (four for Q5_0) reach 30480 (31496) here
+    // and must not saturate.
+    let q4_0 = BlockQ4_0 {
+        d: f16::from_f32(0.5),
+        qs: [0xFF; 16],
+    };
+    let q4_1 = BlockQ4_1 {
+        d: f16::from_f32(0.5),
+        m: f16::from_f32(-3.0),
+        qs: [0xFF; 16],
+    };
+    let q5_0 = BlockQ5_0 {
+        d: f16::from_f32(0.25),
+        qh: [0xFF; 4],
+        qs: [0xFF; 16],
+    };
+    for x in [[1.0f32; 64], [-1.0; 64], mixed] {
+        check(cpu, &[q4_0; 4], 2, &x, 1, 64).unwrap();
+        check(cpu, &[q4_1; 4], 2, &x, 1, 64).unwrap();
+        check(cpu, &[q5_0; 4], 2, &x, 1, 64).unwrap();
+    }
+
     // The K formats' largest codes (Q4_K 15 with 6-bit scale and min 63;
     // Q6_K 63 with sub-block scales -128 and 127) against activations of
     // either sign at the top of their range: products of the unsigned
