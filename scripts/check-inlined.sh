@@ -28,11 +28,11 @@ if [ "${1:-}" = "--release" ]; then
   where='.'
 else
   # The exact test executables of the suite's build (`cargo test
-  # --workspace --exclude ... --all-features --lib --bins --tests`, as scripts/test.sh
+  # <test_scope> --lib --bins --tests`, as scripts/test.sh
   # runs it; nothing is rebuilt after it), not whatever
-  # matching file is newest in target/. The same crates as there: another
-  # set unifies other features and rebuilds most of the workspace.
-  mapfile -t bins < <(cargo test --workspace --exclude hgca-py --exclude hgca-capi --exclude hgca-benches --all-features --lib --bins --tests --no-run --message-format=json 2>/dev/null \
+  # matching file is newest in target/.
+  source scripts/test-scope.sh
+  mapfile -t bins < <(cargo test "${test_scope[@]}" --lib --bins --tests --no-run --message-format=json 2>/dev/null \
     | python3 -c '
 import json, sys
 for line in sys.stdin:

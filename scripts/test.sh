@@ -53,13 +53,9 @@ step "tests"
 # Libraries, binaries and test targets, then the doc tests. Examples are not
 # built here: clippy --all-targets above has checked they compile, and the
 # soak example builds in release below.
-# Not the crates with no Rust tests: the Python module (pytest over the wheel
-# below), the C ABI (the C test program below) and the benches; an explicit
-# --lib builds a lib's test harness even where it says `test = false`, and
-# theirs were 3.5 minutes of a core for no test.
-x=(--exclude hgca-py --exclude hgca-capi --exclude hgca-benches)
-{ cargo test --workspace "${x[@]}" --all-features --lib --bins --tests -- --nocapture 2>&1
-  cargo test --workspace "${x[@]}" --all-features --doc 2>&1; } | tee target/test.log | grep -E '^(test |running |test result|     Running|   Doc-tests)|SKIP|adapter|ISA|panicked|error' || true
+source scripts/test-scope.sh
+{ cargo test "${test_scope[@]}" --lib --bins --tests -- --nocapture 2>&1
+  cargo test "${test_scope[@]}" --doc 2>&1; } | tee target/test.log | grep -E '^(test |running |test result|     Running|   Doc-tests)|SKIP|adapter|ISA|panicked|error' || true
 grep -q '^test result: FAILED' target/test.log && { echo "tests failed"; exit 1; }
 grep -qE '^error(\[|:)' target/test.log && { echo "build failed"; exit 1; }
 step "C ABI (header, C test under ASan/UBSan, C++ example)"
