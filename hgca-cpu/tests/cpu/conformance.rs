@@ -16,8 +16,7 @@ use proptest::prelude::*;
 #[path = "conformance/paged.rs"]
 mod paged;
 
-mod common;
-use common::{Threads, backend};
+use crate::common::{Threads, backend};
 
 fn selection(rng: &mut Rng, kv_heads: usize, tokens: usize) -> Selection {
     let sets = random_sets(rng, kv_heads, tokens);
@@ -547,338 +546,463 @@ fn codes_case(
     Ok(())
 }
 
+/// The suites' bodies, compiled once: each ISA's module (below) runs
+/// them with its kind (expanded per ISA, the proptests were most of
+/// this binary's build).
+mod suite {
+    use super::*;
+    use hgca_cpu::IsaKind;
+
+    /// Sequential, a rayon pool of 2 threads, and a caller's
+    /// executor of 3 threads (no rayon).
+    pub fn pars() -> Vec<Threads> {
+        vec![Par::Seq.into(), Par::Rayon(2).into(), Threads::Exec(3)]
+    }
+
+    pub fn nan_key_poisons_only_its_group_when_attended(isa: IsaKind) {
+        for par in pars() {
+            if let Some(b) = backend(isa, par) {
+                nan_case(&b);
+            }
+        }
+    }
+
+    // Two tests, so the harness's threads share the table (under
+    // qemu it is the longest test of the NEON run).
+    pub fn paged_layouts_edge_table(isa: IsaKind) {
+        if let Some(b) = backend(isa, Par::Seq) {
+            paged::edge_table(&b);
+        }
+    }
+
+    pub fn paged_layouts_edge_table_threaded(isa: IsaKind) {
+        if let Some(b) = backend(isa, Par::Rayon(3)) {
+            paged::edge_table(&b);
+        }
+    }
+
+    pub fn paged_empty_batches_and_page_reuse(isa: IsaKind) {
+        for par in [Par::Seq, Par::Rayon(3)] {
+            if let Some(b) = backend(isa, par) {
+                paged::empty_batch(&b);
+                paged::page_reuse(&b);
+            }
+        }
+    }
+
+    pub fn paged_shards_equal_the_whole_call(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Rayon(2)) else {
+            return;
+        };
+        for nth in [1, 2, 3, 5, 16, 40] {
+            for sparse in [false, true] {
+                let r = paged::shards_case(&b, nth, sparse, nth as u64);
+                assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        }
+    }
+
+    pub fn paged_page_bounds_and_selectors(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Seq) else {
+            return;
+        };
+        for seed in 0..6 {
+            let r = paged::page_selection_case(&b, seed);
+            assert!(r.is_ok(), "{}", r.unwrap_err());
+        }
+    }
+
+    pub fn sparse_matches_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 160, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            tokens in prop::sample::select(vec![0usize, 1, 2, 15, 16, 17, 33, 100, 700]),
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            spread in arb_spread(),
+            par in prop::sample::select(vec![0usize, 1, 2]),
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = sparse_case(&b, dtype, shape, tokens, spread, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn paged_batch_matches_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 160, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            kind in prop::sample::select(paged::KINDS.to_vec()),
+            bs in prop::sample::select(vec![1usize, 3, 16, 64]),
+            lens in prop::collection::vec(0usize..200, 1..5),
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            sparse in any::<bool>(),
+            fmt in prop::sample::select(paged::FORMATS.to_vec()),
+            par in prop::sample::select(vec![0usize, 1, 2]),
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = paged::dispatch_case(&b, dtype, kind, bs, shape, &lens, sparse, fmt, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn dense_equals_all_selected(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 160, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            tokens in 0usize..600,
+            spread in arb_spread(),
+            par in prop::sample::select(vec![0usize, 1, 2]),
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = dense_all_case::<f16>(&b, shape, tokens, spread, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn append_is_causal(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            tokens in 1usize..300,
+            n_q in prop_oneof![1usize..8, 8usize..48],
+            par in 0usize..3,
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = append_case(&b, dtype, shape, tokens, n_q.min(tokens), seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn append_over_a_sliding_window(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            tokens in 1usize..300,
+            n_q in prop_oneof![1usize..8, 8usize..80],
+            window in prop_oneof![1usize..40, 40usize..300],
+            par in 0usize..3,
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = append_window_case(&b, dtype, shape, tokens, n_q.min(tokens), Some(window), seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn threshold_form_selects_while_scanning(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            shape in arb_shape(), tokens in 0usize..900, par in 0usize..3, seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, pars()[par]) {
+                let r = threshold_case(&b, shape, tokens, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn window_dense_backend(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            shape in arb_shape(),
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            capacity in 1usize..80,
+            tokens in 0usize..300,
+            chunk in 1usize..40,
+            evict in 1usize..40,
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Rayon(2)) {
+                let r = check_dense(&b, shape, dtype, capacity, tokens, chunk, evict, 10.0, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn indices_above_is_a_filter(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            len in 0usize..300, t in -1.0f32..1.0, seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Seq) {
+                let r = above_case(&b, len, t, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn decay_accumulate_matches_formula(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            len in 0usize..100, rows in 0usize..6, gather in any::<bool>(), seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Seq) {
+                let r = decay_case(&b, len, rows, gather, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn block_bounds_bound_every_key(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            heads in 1usize..10,
+            d in 1usize..140,
+            blocks in 0usize..6,
+            dtype in prop::sample::select(DType::ALL.to_vec()),
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Seq) {
+                let r = match dtype {
+                    DType::F32 => bounds_case::<f32>(&b, heads, d, blocks, seed),
+                    DType::F16 => bounds_case::<f16>(&b, heads, d, blocks, seed),
+                    DType::BF16 => bounds_case::<bf16>(&b, heads, d, blocks, seed),
+                };
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn quantized_scores_match_their_formula(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            heads in 1usize..12,
+            d in 1usize..140,
+            n in 0usize..70,
+            seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Seq) {
+                let r = quant_case(&b, heads, d, n, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn merge_backend(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 40, ..ProptestConfig::default() }, |(
+            shape in arb_shape(), tokens in 0usize..64, n_parts in 1usize..8, seed in any::<u64>(),
+        )| {
+            if let Some(b) = backend(isa, Par::Seq) {
+                let r = check_merge_partition(&b, shape, tokens, 10.0, n_parts, seed);
+                prop_assert!(r.is_ok(), "{}", r.unwrap_err());
+            }
+        });
+    }
+
+    pub fn block_bounds_with_infinite_keys(isa: IsaKind) {
+        // hi = +inf where q < 0 and lo = -inf where q > 0: the bound
+        // is finite (sum of |q|), but the split-sign sum meets
+        // 0 * inf there and must fall back, never give NaN. Lengths
+        // cover the vector body and the tail.
+        let Some(b) = backend(isa, Par::Seq) else {
+            return;
+        };
+        for d in [1usize, 7, 16, 33, 64] {
+            let qh: Vec<f32> = (0..d)
+                .map(|i| if i % 2 == 0 { -2.0 } else { 1.5 })
+                .collect();
+            let q = [qh.clone(), qh.clone()].concat();
+            let mut lo = vec![f16::from_f32(-1.0); d];
+            let mut hi = vec![f16::from_f32(1.0); d];
+            hi[0] = f16::INFINITY;
+            if d > 1 {
+                lo[d - 1 - (d % 2 == 1) as usize] = f16::NEG_INFINITY;
+            }
+            let bounds: Vec<f16> = lo.iter().chain(&hi).copied().collect();
+            let mut out = vec![f32::NAN; 2];
+            b.block_upper_bounds(&q, 2, d, &bounds, &mut out).unwrap();
+            let want: f32 = qh.iter().map(|x| x.abs()).sum();
+            for &got in &out {
+                assert!((got - want).abs() <= 1e-5 * want, "d {d}: {got} vs {want}");
+            }
+        }
+    }
+
+    /// Prompt chunks of a model's shape: many query tiles and key
+    /// tiles, the causal edge inside most of them (sizes kept small
+    /// enough for the f64 reference under qemu).
+    pub fn append_long_chunks(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Rayon(2)) else {
+            return;
+        };
+        for (qh, kvh, d, tokens, n_q) in [
+            (9, 3, 64, 700, 200),
+            (14, 2, 64, 400, 130),
+            (4, 4, 40, 300, 300),
+        ] {
+            let shape = AttnShape::new(qh, kvh, d).unwrap();
+            for dtype in [DType::F32, DType::F16] {
+                append_case(&b, dtype, shape, tokens, n_q, 5)
+                    .unwrap_or_else(|e| panic!("{shape:?} n={tokens} n_q={n_q} {dtype}: {e}"));
+            }
+        }
+        // Gemma 3's local layers: 4 query heads on one KV head of
+        // 256, a window shorter than the chunk (scaled down from 512).
+        let shape = AttnShape::new(4, 1, 256).unwrap();
+        append_window_case(&b, DType::F16, shape, 360, 200, Some(96), 7)
+            .unwrap_or_else(|e| panic!("sliding window: {e}"));
+    }
+
+    pub fn edge_table(isa: IsaKind) {
+        for par in pars() {
+            let Some(b) = backend(isa, par) else { return };
+            for (i, &(qh, kvh, d, n)) in EDGE_SHAPES.iter().enumerate() {
+                let shape = AttnShape::new(qh, kvh, d).unwrap();
+                for dtype in DType::ALL {
+                    for spread in [0.01, 1e4] {
+                        sparse_case(&b, dtype, shape, n, spread, i as u64)
+                            .unwrap_or_else(|e| panic!("{shape:?} n={n} {dtype}: {e}"));
+                    }
+                }
+                dense_all_case::<f32>(&b, shape, n, 30.0, i as u64).unwrap();
+                if n > 0 {
+                    // One KV dtype per shape, in turn (proptest covers the rest).
+                    let dtype = DType::ALL[i % DType::ALL.len()];
+                    for n_q in [4, 33] {
+                        append_case(&b, dtype, shape, n, n.min(n_q), i as u64)
+                            .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} {dtype}: {e}"));
+                        // Windows of one token, shorter than a key
+                        // tile, across tiles, and past every token.
+                        for w in [1, 5, 40, n + 1] {
+                            append_window_case(&b, dtype, shape, n, n.min(n_q), Some(w), i as u64)
+                                .unwrap_or_else(|e| {
+                                    panic!("{shape:?} n={n} n_q={n_q} window {w} {dtype}: {e}")
+                                });
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Long rows split across threads: chunk merges must be exact.
+    pub fn long_context_split_across_threads(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Rayon(2)) else {
+            return;
+        };
+        let shape = AttnShape::new(4, 1, 64).unwrap();
+        dense_all_case::<bf16>(&b, shape, 5000, 20.0, 99).unwrap();
+        sparse_case(&b, DType::F16, shape, 5000, 20.0, 98).unwrap();
+    }
+
+    /// The paged CPU store works as a source, exactly like contiguous slices.
+    pub fn paged_store_source(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Rayon(2)) else {
+            return;
+        };
+        let shape = AttnShape::new(8, 2, 96).unwrap();
+        let p = Problem::<f16>::random(shape, 333, 10.0, 5);
+        let mut store = KvStore::<f16>::new(2, 96, 64).unwrap();
+        store.push_head_major(333, &p.k, &p.v).unwrap();
+        let sel = selection(&mut Rng::new(3), 2, 333);
+        let layout = PartialLayout::decode(&shape);
+        let (mut a, mut c) = (Partial::poisoned(layout), Partial::poisoned(layout));
+        b.sparse_decode(&shape, &p.q, &store, &sel, a.as_mut(), None)
+            .unwrap();
+        b.sparse_decode(&shape, &p.q, &p.kv(), &sel, c.as_mut(), None)
+            .unwrap();
+        assert_eq!(a, c);
+        assert_eq!(store.tokens(), 333);
+    }
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
-            use super::*;
-
-            /// Sequential, a rayon pool of 2 threads, and a caller's
-            /// executor of 3 threads (no rayon).
-            fn pars() -> Vec<Threads> {
-                vec![Par::Seq.into(), Par::Rayon(2).into(), Threads::Exec(3)]
-            }
+            use hgca_cpu::IsaKind;
+            const KIND: IsaKind = $kind;
 
             #[test]
             fn nan_key_poisons_only_its_group_when_attended() {
-                for par in pars() {
-                    if let Some(b) = backend($kind, par) {
-                        nan_case(&b);
-                    }
-                }
+                super::suite::nan_key_poisons_only_its_group_when_attended(KIND)
             }
-
-            // Two tests, so the harness's threads share the table (under
-            // qemu it is the longest test of the NEON run).
             #[test]
             fn paged_layouts_edge_table() {
-                if let Some(b) = backend($kind, Par::Seq) {
-                    paged::edge_table(&b);
-                }
+                super::suite::paged_layouts_edge_table(KIND)
             }
-
             #[test]
             fn paged_layouts_edge_table_threaded() {
-                if let Some(b) = backend($kind, Par::Rayon(3)) {
-                    paged::edge_table(&b);
-                }
+                super::suite::paged_layouts_edge_table_threaded(KIND)
             }
-
             #[test]
             fn paged_empty_batches_and_page_reuse() {
-                for par in [Par::Seq, Par::Rayon(3)] {
-                    if let Some(b) = backend($kind, par) {
-                        paged::empty_batch(&b);
-                        paged::page_reuse(&b);
-                    }
-                }
+                super::suite::paged_empty_batches_and_page_reuse(KIND)
             }
-
             #[test]
             fn paged_shards_equal_the_whole_call() {
-                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
-                for nth in [1, 2, 3, 5, 16, 40] {
-                    for sparse in [false, true] {
-                        let r = paged::shards_case(&b, nth, sparse, nth as u64);
-                        assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
+                super::suite::paged_shards_equal_the_whole_call(KIND)
             }
-
             #[test]
             fn paged_page_bounds_and_selectors() {
-                let Some(b) = backend($kind, Par::Seq) else { return };
-                for seed in 0..6 {
-                    let r = paged::page_selection_case(&b, seed);
-                    assert!(r.is_ok(), "{}", r.unwrap_err());
-                }
+                super::suite::paged_page_bounds_and_selectors(KIND)
             }
-
-
-            proptest! {
-                #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
-
-                #[test]
-                fn sparse_matches_reference(
-                    shape in arb_shape(),
-                    tokens in prop::sample::select(vec![0usize, 1, 2, 15, 16, 17, 33, 100, 700]),
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    spread in arb_spread(),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = sparse_case(&b, dtype, shape, tokens, spread, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn paged_batch_matches_reference(
-                    shape in arb_shape(),
-                    kind in prop::sample::select(paged::KINDS.to_vec()),
-                    bs in prop::sample::select(vec![1usize, 3, 16, 64]),
-                    lens in prop::collection::vec(0usize..200, 1..5),
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    sparse in any::<bool>(),
-                    fmt in prop::sample::select(paged::FORMATS.to_vec()),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = paged::dispatch_case(&b, dtype, kind, bs, shape, &lens, sparse, fmt, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn dense_equals_all_selected(
-                    shape in arb_shape(),
-                    tokens in 0usize..600,
-                    spread in arb_spread(),
-                    par in prop::sample::select(vec![0usize, 1, 2]),
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = dense_all_case::<f16>(&b, shape, tokens, spread, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
+            #[test]
+            fn sparse_matches_reference() {
+                super::suite::sparse_matches_reference(KIND)
             }
-
-            proptest! {
-                #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
-
-                #[test]
-                fn append_is_causal(
-                    shape in arb_shape(),
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    tokens in 1usize..300,
-                    n_q in prop_oneof![1usize..8, 8usize..48],
-                    par in 0usize..3,
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = append_case(&b, dtype, shape, tokens, n_q.min(tokens), seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn append_over_a_sliding_window(
-                    shape in arb_shape(),
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    tokens in 1usize..300,
-                    n_q in prop_oneof![1usize..8, 8usize..80],
-                    window in prop_oneof![1usize..40, 40usize..300],
-                    par in 0usize..3,
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = append_window_case(&b, dtype, shape, tokens, n_q.min(tokens), Some(window), seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn threshold_form_selects_while_scanning(shape in arb_shape(), tokens in 0usize..900, par in 0usize..3, seed in any::<u64>()) {
-                    if let Some(b) = backend($kind, pars()[par]) {
-                        let r = threshold_case(&b, shape, tokens, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn window_dense_backend(
-                    shape in arb_shape(),
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    capacity in 1usize..80,
-                    tokens in 0usize..300,
-                    chunk in 1usize..40,
-                    evict in 1usize..40,
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, Par::Rayon(2)) {
-                        let r = check_dense(&b, shape, dtype, capacity, tokens, chunk, evict, 10.0, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn indices_above_is_a_filter(len in 0usize..300, t in -1.0f32..1.0, seed in any::<u64>()) {
-                    if let Some(b) = backend($kind, Par::Seq) {
-                        let r = above_case(&b, len, t, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn decay_accumulate_matches_formula(len in 0usize..100, rows in 0usize..6, gather in any::<bool>(), seed in any::<u64>()) {
-                    if let Some(b) = backend($kind, Par::Seq) {
-                        let r = decay_case(&b, len, rows, gather, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn block_bounds_bound_every_key(
-                    heads in 1usize..10,
-                    d in 1usize..140,
-                    blocks in 0usize..6,
-                    dtype in prop::sample::select(DType::ALL.to_vec()),
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, Par::Seq) {
-                        let r = match dtype {
-                            DType::F32 => bounds_case::<f32>(&b, heads, d, blocks, seed),
-                            DType::F16 => bounds_case::<f16>(&b, heads, d, blocks, seed),
-                            DType::BF16 => bounds_case::<bf16>(&b, heads, d, blocks, seed),
-                        };
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn quantized_scores_match_their_formula(
-                    heads in 1usize..12,
-                    d in 1usize..140,
-                    n in 0usize..70,
-                    seed in any::<u64>(),
-                ) {
-                    if let Some(b) = backend($kind, Par::Seq) {
-                        let r = quant_case(&b, heads, d, n, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
-
-                #[test]
-                fn merge_backend(shape in arb_shape(), tokens in 0usize..64, n_parts in 1usize..8, seed in any::<u64>()) {
-                    if let Some(b) = backend($kind, Par::Seq) {
-                        let r = check_merge_partition(&b, shape, tokens, 10.0, n_parts, seed);
-                        prop_assert!(r.is_ok(), "{}", r.unwrap_err());
-                    }
-                }
+            #[test]
+            fn paged_batch_matches_reference() {
+                super::suite::paged_batch_matches_reference(KIND)
             }
-
+            #[test]
+            fn dense_equals_all_selected() {
+                super::suite::dense_equals_all_selected(KIND)
+            }
+            #[test]
+            fn append_is_causal() {
+                super::suite::append_is_causal(KIND)
+            }
+            #[test]
+            fn append_over_a_sliding_window() {
+                super::suite::append_over_a_sliding_window(KIND)
+            }
+            #[test]
+            fn threshold_form_selects_while_scanning() {
+                super::suite::threshold_form_selects_while_scanning(KIND)
+            }
+            #[test]
+            fn window_dense_backend() {
+                super::suite::window_dense_backend(KIND)
+            }
+            #[test]
+            fn indices_above_is_a_filter() {
+                super::suite::indices_above_is_a_filter(KIND)
+            }
+            #[test]
+            fn decay_accumulate_matches_formula() {
+                super::suite::decay_accumulate_matches_formula(KIND)
+            }
+            #[test]
+            fn block_bounds_bound_every_key() {
+                super::suite::block_bounds_bound_every_key(KIND)
+            }
+            #[test]
+            fn quantized_scores_match_their_formula() {
+                super::suite::quantized_scores_match_their_formula(KIND)
+            }
+            #[test]
+            fn merge_backend() {
+                super::suite::merge_backend(KIND)
+            }
             #[test]
             fn block_bounds_with_infinite_keys() {
-                // hi = +inf where q < 0 and lo = -inf where q > 0: the bound
-                // is finite (sum of |q|), but the split-sign sum meets
-                // 0 * inf there and must fall back, never give NaN. Lengths
-                // cover the vector body and the tail.
-                let Some(b) = backend($kind, Par::Seq) else { return };
-                for d in [1usize, 7, 16, 33, 64] {
-                    let qh: Vec<f32> = (0..d).map(|i| if i % 2 == 0 { -2.0 } else { 1.5 }).collect();
-                    let q = [qh.clone(), qh.clone()].concat();
-                    let mut lo = vec![f16::from_f32(-1.0); d];
-                    let mut hi = vec![f16::from_f32(1.0); d];
-                    hi[0] = f16::INFINITY;
-                    if d > 1 {
-                        lo[d - 1 - (d % 2 == 1) as usize] = f16::NEG_INFINITY;
-                    }
-                    let bounds: Vec<f16> = lo.iter().chain(&hi).copied().collect();
-                    let mut out = vec![f32::NAN; 2];
-                    b.block_upper_bounds(&q, 2, d, &bounds, &mut out).unwrap();
-                    let want: f32 = qh.iter().map(|x| x.abs()).sum();
-                    for &got in &out {
-                        assert!((got - want).abs() <= 1e-5 * want, "d {d}: {got} vs {want}");
-                    }
-                }
+                super::suite::block_bounds_with_infinite_keys(KIND)
             }
-
-            /// Prompt chunks of a model's shape: many query tiles and key
-            /// tiles, the causal edge inside most of them (sizes kept small
-            /// enough for the f64 reference under qemu).
             #[test]
             fn append_long_chunks() {
-                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
-                for (qh, kvh, d, tokens, n_q) in [(9, 3, 64, 700, 200), (14, 2, 64, 400, 130), (4, 4, 40, 300, 300)] {
-                    let shape = AttnShape::new(qh, kvh, d).unwrap();
-                    for dtype in [DType::F32, DType::F16] {
-                        append_case(&b, dtype, shape, tokens, n_q, 5)
-                            .unwrap_or_else(|e| panic!("{shape:?} n={tokens} n_q={n_q} {dtype}: {e}"));
-                    }
-                }
-                // Gemma 3's local layers: 4 query heads on one KV head of
-                // 256, a window shorter than the chunk (scaled down from 512).
-                let shape = AttnShape::new(4, 1, 256).unwrap();
-                append_window_case(&b, DType::F16, shape, 360, 200, Some(96), 7)
-                    .unwrap_or_else(|e| panic!("sliding window: {e}"));
+                super::suite::append_long_chunks(KIND)
             }
-
             #[test]
             fn edge_table() {
-                for par in pars() {
-                    let Some(b) = backend($kind, par) else { return };
-                    for (i, &(qh, kvh, d, n)) in EDGE_SHAPES.iter().enumerate() {
-                        let shape = AttnShape::new(qh, kvh, d).unwrap();
-                        for dtype in DType::ALL {
-                            for spread in [0.01, 1e4] {
-                                sparse_case(&b, dtype, shape, n, spread, i as u64).unwrap_or_else(|e| panic!("{shape:?} n={n} {dtype}: {e}"));
-                            }
-                        }
-                        dense_all_case::<f32>(&b, shape, n, 30.0, i as u64).unwrap();
-                        if n > 0 {
-                            // One KV dtype per shape, in turn (proptest covers the rest).
-                            let dtype = DType::ALL[i % DType::ALL.len()];
-                            for n_q in [4, 33] {
-                                append_case(&b, dtype, shape, n, n.min(n_q), i as u64)
-                                    .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} {dtype}: {e}"));
-                                // Windows of one token, shorter than a key
-                                // tile, across tiles, and past every token.
-                                for w in [1, 5, 40, n + 1] {
-                                    append_window_case(&b, dtype, shape, n, n.min(n_q), Some(w), i as u64)
-                                        .unwrap_or_else(|e| panic!("{shape:?} n={n} n_q={n_q} window {w} {dtype}: {e}"));
-                                }
-                            }
-                        }
-                    }
-                }
+                super::suite::edge_table(KIND)
             }
-
-            /// Long rows split across threads: chunk merges must be exact.
             #[test]
             fn long_context_split_across_threads() {
-                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
-                let shape = AttnShape::new(4, 1, 64).unwrap();
-                dense_all_case::<bf16>(&b, shape, 5000, 20.0, 99).unwrap();
-                sparse_case(&b, DType::F16, shape, 5000, 20.0, 98).unwrap();
+                super::suite::long_context_split_across_threads(KIND)
             }
-
-            /// The paged CPU store works as a source, exactly like contiguous slices.
             #[test]
             fn paged_store_source() {
-                let Some(b) = backend($kind, Par::Rayon(2)) else { return };
-                let shape = AttnShape::new(8, 2, 96).unwrap();
-                let p = Problem::<f16>::random(shape, 333, 10.0, 5);
-                let mut store = KvStore::<f16>::new(2, 96, 64).unwrap();
-                store.push_head_major(333, &p.k, &p.v).unwrap();
-                let sel = selection(&mut Rng::new(3), 2, 333);
-                let layout = PartialLayout::decode(&shape);
-                let (mut a, mut c) = (Partial::poisoned(layout), Partial::poisoned(layout));
-                b.sparse_decode(&shape, &p.q, &store, &sel, a.as_mut(), None).unwrap();
-                b.sparse_decode(&shape, &p.q, &p.kv(), &sel, c.as_mut(), None).unwrap();
-                assert_eq!(a, c);
-                assert_eq!(store.tokens(), 333);
+                super::suite::paged_store_source(KIND)
             }
         }
     };

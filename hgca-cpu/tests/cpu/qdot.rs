@@ -12,8 +12,7 @@ use hgca_testkit::Rng;
 use hgca_testkit::ffn::TestWeight;
 use proptest::prelude::*;
 
-mod common;
-use common::backend;
+use crate::common::backend;
 
 /// `y[t, r] = Σ_k w[r, k] x[t, k]` in f64 over the dequantised weights and
 /// the dequantised activations, and `Σ_k |w[r, k] x[t, k]|` beside it.
@@ -320,79 +319,98 @@ fn extreme_codes(cpu: &CpuBackend) {
     }
 }
 
+/// The suites' bodies, compiled once: each ISA's module (below) runs
+/// them with its kind (expanded per ISA, the proptests were most of
+/// this binary's build).
+mod suite {
+    use super::*;
+    use hgca_cpu::IsaKind;
+
+    pub fn qmatvec_k_formats_match_the_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 48, ..ProptestConfig::default() }, |(
+            rows in 1usize..150,
+            blocks in 1usize..5,
+            n in 1usize..4,
+            seed in any::<u64>(),
+        )| {
+            for par in [Par::Seq, Par::Rayon(3)] {
+                if let Some(b) = backend(isa, par) {
+                    let (k, mut r) = (256 * blocks, Ok(()));
+                    r = r.and_then(|()| case::<BlockQ4K>(&b, rows, k, n, seed));
+                    r = r.and_then(|()| case::<BlockQ6K>(&b, rows, k, n, seed));
+                    prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                }
+            }
+        });
+    }
+
+    pub fn qmatvec_matches_the_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 48, ..ProptestConfig::default() }, |(
+            rows in 1usize..150,
+            blocks in 1usize..12,
+            n in 1usize..5,
+            seed in any::<u64>(),
+        )| {
+            for par in [Par::Seq, Par::Rayon(3)] {
+                if let Some(b) = backend(isa, par) {
+                    let r = all_formats(&b, rows, 32 * blocks, n, seed);
+                    prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                }
+            }
+        });
+    }
+
+    /// Prefill-sized calls (the packed kernel's token tiles of
+    /// four and, from 16 tokens, its tasks of tokens), on
+    /// small matrices of the 32-value formats.
+    pub fn qmatvec_of_many_tokens_matches_the_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 12, ..ProptestConfig::default() }, |(
+            rows in 1usize..40,
+            blocks in 1usize..4,
+            n in 5usize..40,
+            seed in any::<u64>(),
+        )| {
+            for par in [Par::Seq, Par::Rayon(3)] {
+                if let Some(b) = backend(isa, par) {
+                    let r = all_formats(&b, rows, 32 * blocks, n, seed);
+                    prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                }
+            }
+        });
+    }
+
+    pub fn edge_table(isa: IsaKind) {
+        for par in [Par::Seq, Par::Rayon(2)] {
+            let Some(b) = backend(isa, par) else { return };
+            for (i, &(rows, k, n)) in EDGE.iter().enumerate() {
+                all_formats(&b, rows, k, n, i as u64).unwrap_or_else(|e| panic!("{par:?}: {e}"));
+            }
+            extreme_codes(&b);
+        }
+    }
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
-            use super::*;
-
-            proptest! {
-                #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
-
-                #[test]
-                fn qmatvec_k_formats_match_the_reference(
-                    rows in 1usize..150,
-                    blocks in 1usize..5,
-                    n in 1usize..4,
-                    seed in any::<u64>(),
-                ) {
-                    for par in [Par::Seq, Par::Rayon(3)] {
-                        if let Some(b) = backend($kind, par) {
-                            let (k, mut r) = (256 * blocks, Ok(()));
-                            r = r.and_then(|()| case::<BlockQ4K>(&b, rows, k, n, seed));
-                            r = r.and_then(|()| case::<BlockQ6K>(&b, rows, k, n, seed));
-                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
-                        }
-                    }
-                }
-
-                #[test]
-                fn qmatvec_matches_the_reference(
-                    rows in 1usize..150,
-                    blocks in 1usize..12,
-                    n in 1usize..5,
-                    seed in any::<u64>(),
-                ) {
-                    for par in [Par::Seq, Par::Rayon(3)] {
-                        if let Some(b) = backend($kind, par) {
-                            let r = all_formats(&b, rows, 32 * blocks, n, seed);
-                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
-                        }
-                    }
-                }
-            }
-
-            proptest! {
-                #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
-
-                /// Prefill-sized calls (the packed kernel's token tiles of
-                /// four and, from 16 tokens, its tasks of tokens), on
-                /// small matrices of the 32-value formats.
-                #[test]
-                fn qmatvec_of_many_tokens_matches_the_reference(
-                    rows in 1usize..40,
-                    blocks in 1usize..4,
-                    n in 5usize..40,
-                    seed in any::<u64>(),
-                ) {
-                    for par in [Par::Seq, Par::Rayon(3)] {
-                        if let Some(b) = backend($kind, par) {
-                            let r = all_formats(&b, rows, 32 * blocks, n, seed);
-                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
-                        }
-                    }
-                }
-            }
+            use hgca_cpu::IsaKind;
+            const KIND: IsaKind = $kind;
 
             #[test]
+            fn qmatvec_k_formats_match_the_reference() {
+                super::suite::qmatvec_k_formats_match_the_reference(KIND)
+            }
+            #[test]
+            fn qmatvec_matches_the_reference() {
+                super::suite::qmatvec_matches_the_reference(KIND)
+            }
+            #[test]
+            fn qmatvec_of_many_tokens_matches_the_reference() {
+                super::suite::qmatvec_of_many_tokens_matches_the_reference(KIND)
+            }
+            #[test]
             fn edge_table() {
-                for par in [Par::Seq, Par::Rayon(2)] {
-                    let Some(b) = backend($kind, par) else { return };
-                    for (i, &(rows, k, n)) in EDGE.iter().enumerate() {
-                        all_formats(&b, rows, k, n, i as u64)
-                            .unwrap_or_else(|e| panic!("{par:?}: {e}"));
-                    }
-                    extreme_codes(&b);
-                }
+                super::suite::edge_table(KIND)
             }
         }
     };

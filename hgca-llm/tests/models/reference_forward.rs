@@ -2,7 +2,7 @@
 //! transcription of the model's equations, written here from the GGUF's
 //! tensors (f32 synthetic models, Llama and Qwen2), with nothing shared with
 //! `hgca-llm`'s forward but the file (Gemma 3 has its own, in numpy:
-//! tests/gemma3.rs). Also Qwen2's tokenizer and the hybrid
+//! gemma3.rs). Also Qwen2's tokenizer and the hybrid
 //! layer equal to full attention when it selects every entry.
 
 use std::sync::Arc;

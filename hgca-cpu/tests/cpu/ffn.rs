@@ -16,8 +16,7 @@ use hgca_testkit::Rng;
 use hgca_testkit::ffn::{FfnProblem, TestWeight, gap_threshold, random_subset};
 use proptest::prelude::*;
 
-mod common;
-use common::backend;
+use crate::common::backend;
 
 /// One case: a list (`threshold: None`) or a threshold chosen away from
 /// every activation (f32 and f64 then agree on each comparison).
@@ -211,125 +210,133 @@ const EDGE: &[(usize, usize, usize)] = &[
     (96, 33, 4),
 ];
 
+/// The suites' bodies, compiled once: each ISA's module (below) runs
+/// them with its kind (expanded per ISA, the proptests were most of
+/// this binary's build).
+mod suite {
+    use super::*;
+    use hgca_cpu::IsaKind;
+
+    pub fn sparse_ffn_matches_the_reference(isa: IsaKind) {
+        proptest!(ProptestConfig { cases: 48, ..ProptestConfig::default() }, |(
+            d in 1usize..100,
+            n_ff in 1usize..90,
+            n in 1usize..4,
+            silu in any::<bool>(),
+            threshold in any::<bool>(),
+            seed in any::<u64>(),
+        )| {
+            let act = if silu { FfnAct::Silu } else { FfnAct::Relu };
+            for par in [Par::Seq, Par::Rayon(3)] {
+                if let Some(b) = backend(isa, par) {
+                    let r = all_formats(&b, act, d, n_ff, n, threshold, seed);
+                    prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
+                }
+            }
+        });
+    }
+
+    pub fn edge_table(isa: IsaKind) {
+        for par in [Par::Seq, Par::Rayon(2)] {
+            let Some(b) = backend(isa, par) else { return };
+            for (i, &(d, n_ff, n)) in EDGE.iter().enumerate() {
+                for act in [FfnAct::Silu, FfnAct::Relu] {
+                    for thr in [false, true] {
+                        all_formats(&b, act, d, n_ff, n, thr, i as u64).unwrap_or_else(|e| {
+                            panic!("d {d} n_ff {n_ff} n {n} {act:?} threshold {thr}: {e}")
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// One token over lists long enough for the sixteen-row walk
+    /// (gate and up rows sixteen at a time, scattered, where the
+    /// ISA has it; one thread's list and two threads' parts, whole
+    /// groups and a partial one after them), and the gated threshold
+    /// form (its kept neurons' up rows sixteen at a time), for the
+    /// 32-value formats through Q8_0.
+    pub fn sixteen_row_walks_match_the_reference(isa: IsaKind) {
+        for par in [Par::Seq, Par::Rayon(2)] {
+            let Some(b) = backend(isa, par) else { return };
+            let shapes = [(32, 60), (64, 107), (96, 250), (160, 400)];
+            for (i, &(d, n_ff)) in shapes.iter().enumerate() {
+                for act in [FfnAct::Silu, FfnAct::Relu] {
+                    let s = 11 + i as u64;
+                    let r = case_q8::<BlockQ8_0>(&b, act, d, n_ff, 1, false, s)
+                        .and_then(|()| case_q8::<BlockQ4_0>(&b, act, d, n_ff, 1, false, s))
+                        .and_then(|()| case_q8::<BlockQ4_1>(&b, act, d, n_ff, 1, false, s))
+                        .and_then(|()| case_q8::<BlockQ5_0>(&b, act, d, n_ff, 1, false, s))
+                        .and_then(|()| case_q8_gated::<BlockQ8_0>(&b, act, d, n_ff, 1, true, s))
+                        .and_then(|()| case_q8_gated::<BlockQ4_0>(&b, act, d, n_ff, 1, true, s))
+                        .and_then(|()| case_q8_gated::<BlockQ4_1>(&b, act, d, n_ff, 1, true, s))
+                        .and_then(|()| case_q8_gated::<BlockQ5_0>(&b, act, d, n_ff, 1, true, s));
+                    r.unwrap_or_else(|e| panic!("{par:?} d {d} n_ff {n_ff} {act:?}: {e}"));
+                }
+            }
+        }
+    }
+
+    /// Hot + cold = all neurons, and all neurons is the dense FFN.
+    pub fn a_partition_sums_to_the_dense_ffn(isa: IsaKind) {
+        let Some(b) = backend(isa, Par::Rayon(2)) else {
+            return;
+        };
+        let (d, n_ff, n) = (64, 150, 3);
+        let p = FfnProblem::<f16>::random(d, n_ff, n, 5);
+        let w = p.weights().unwrap();
+        let mut rng = Rng::new(6);
+        let hot = random_subset(&mut rng, n_ff, 0.2);
+        let cold: Vec<u32> = (0..n_ff as u32).filter(|i| !hot.contains(i)).collect();
+        let all: Vec<u32> = (0..n_ff as u32).collect();
+        let run = |l: &[u32]| {
+            let mut o = vec![f32::NAN; n * d];
+            b.sparse_ffn(FfnAct::Silu, &w, &p.x, n, Neurons::List(l), &mut o)
+                .unwrap();
+            o
+        };
+        let (h, c, a) = (run(&hot), run(&cold), run(&all));
+        let sum: Vec<f32> = h.iter().zip(&c).map(|(x, y)| x + y).collect();
+        let every: Vec<usize> = (0..n_ff).collect();
+        p.check(FfnAct::Silu, &vec![every; n], &sum).unwrap();
+        p.check(FfnAct::Silu, &vec![(0..n_ff).collect(); n], &a)
+            .unwrap();
+        // The threshold 0 under ReLU keeps exactly the positive gates.
+        let mut o = vec![f32::NAN; n * d];
+        b.sparse_ffn(FfnAct::Relu, &w, &p.x, n, Neurons::Threshold(0.0), &mut o)
+            .unwrap();
+        let sets: Vec<Vec<usize>> = (0..n)
+            .map(|t| {
+                let a = p.activations(FfnAct::Relu, t);
+                (0..n_ff).filter(|&i| a[i] > 0.0).collect()
+            })
+            .collect();
+        p.check(FfnAct::Relu, &sets, &o).unwrap();
+    }
+}
+
 macro_rules! isa_suite {
     ($name:ident, $kind:expr) => {
         mod $name {
-            use super::*;
+            use hgca_cpu::IsaKind;
+            const KIND: IsaKind = $kind;
 
-            proptest! {
-                #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
-
-                #[test]
-                fn sparse_ffn_matches_the_reference(
-                    d in 1usize..100,
-                    n_ff in 1usize..90,
-                    n in 1usize..4,
-                    silu in any::<bool>(),
-                    threshold in any::<bool>(),
-                    seed in any::<u64>(),
-                ) {
-                    let act = if silu { FfnAct::Silu } else { FfnAct::Relu };
-                    for par in [Par::Seq, Par::Rayon(3)] {
-                        if let Some(b) = backend($kind, par) {
-                            let r = all_formats(&b, act, d, n_ff, n, threshold, seed);
-                            prop_assert!(r.is_ok(), "{par:?}: {}", r.unwrap_err());
-                        }
-                    }
-                }
+            #[test]
+            fn sparse_ffn_matches_the_reference() {
+                super::suite::sparse_ffn_matches_the_reference(KIND)
             }
-
             #[test]
             fn edge_table() {
-                for par in [Par::Seq, Par::Rayon(2)] {
-                    let Some(b) = backend($kind, par) else { return };
-                    for (i, &(d, n_ff, n)) in EDGE.iter().enumerate() {
-                        for act in [FfnAct::Silu, FfnAct::Relu] {
-                            for thr in [false, true] {
-                                all_formats(&b, act, d, n_ff, n, thr, i as u64).unwrap_or_else(
-                                    |e| {
-                                        panic!(
-                                            "d {d} n_ff {n_ff} n {n} {act:?} threshold {thr}: {e}"
-                                        )
-                                    },
-                                );
-                            }
-                        }
-                    }
-                }
+                super::suite::edge_table(KIND)
             }
-
-            /// One token over lists long enough for the sixteen-row walk
-            /// (gate and up rows sixteen at a time, scattered, where the
-            /// ISA has it; one thread's list and two threads' parts, whole
-            /// groups and a partial one after them), and the gated threshold
-            /// form (its kept neurons' up rows sixteen at a time), for the
-            /// 32-value formats through Q8_0.
             #[test]
             fn sixteen_row_walks_match_the_reference() {
-                for par in [Par::Seq, Par::Rayon(2)] {
-                    let Some(b) = backend($kind, par) else { return };
-                    let shapes = [(32, 60), (64, 107), (96, 250), (160, 400)];
-                    for (i, &(d, n_ff)) in shapes.iter().enumerate() {
-                        for act in [FfnAct::Silu, FfnAct::Relu] {
-                            let s = 11 + i as u64;
-                            let r = case_q8::<BlockQ8_0>(&b, act, d, n_ff, 1, false, s)
-                                .and_then(|()| case_q8::<BlockQ4_0>(&b, act, d, n_ff, 1, false, s))
-                                .and_then(|()| case_q8::<BlockQ4_1>(&b, act, d, n_ff, 1, false, s))
-                                .and_then(|()| case_q8::<BlockQ5_0>(&b, act, d, n_ff, 1, false, s))
-                                .and_then(|()| {
-                                    case_q8_gated::<BlockQ8_0>(&b, act, d, n_ff, 1, true, s)
-                                })
-                                .and_then(|()| {
-                                    case_q8_gated::<BlockQ4_0>(&b, act, d, n_ff, 1, true, s)
-                                })
-                                .and_then(|()| {
-                                    case_q8_gated::<BlockQ4_1>(&b, act, d, n_ff, 1, true, s)
-                                })
-                                .and_then(|()| {
-                                    case_q8_gated::<BlockQ5_0>(&b, act, d, n_ff, 1, true, s)
-                                });
-                            r.unwrap_or_else(|e| panic!("{par:?} d {d} n_ff {n_ff} {act:?}: {e}"));
-                        }
-                    }
-                }
+                super::suite::sixteen_row_walks_match_the_reference(KIND)
             }
-
-            /// Hot + cold = all neurons, and all neurons is the dense FFN.
             #[test]
             fn a_partition_sums_to_the_dense_ffn() {
-                let Some(b) = backend($kind, Par::Rayon(2)) else {
-                    return;
-                };
-                let (d, n_ff, n) = (64, 150, 3);
-                let p = FfnProblem::<f16>::random(d, n_ff, n, 5);
-                let w = p.weights().unwrap();
-                let mut rng = Rng::new(6);
-                let hot = random_subset(&mut rng, n_ff, 0.2);
-                let cold: Vec<u32> = (0..n_ff as u32).filter(|i| !hot.contains(i)).collect();
-                let all: Vec<u32> = (0..n_ff as u32).collect();
-                let run = |l: &[u32]| {
-                    let mut o = vec![f32::NAN; n * d];
-                    b.sparse_ffn(FfnAct::Silu, &w, &p.x, n, Neurons::List(l), &mut o)
-                        .unwrap();
-                    o
-                };
-                let (h, c, a) = (run(&hot), run(&cold), run(&all));
-                let sum: Vec<f32> = h.iter().zip(&c).map(|(x, y)| x + y).collect();
-                let every: Vec<usize> = (0..n_ff).collect();
-                p.check(FfnAct::Silu, &vec![every; n], &sum).unwrap();
-                p.check(FfnAct::Silu, &vec![(0..n_ff).collect(); n], &a)
-                    .unwrap();
-                // The threshold 0 under ReLU keeps exactly the positive gates.
-                let mut o = vec![f32::NAN; n * d];
-                b.sparse_ffn(FfnAct::Relu, &w, &p.x, n, Neurons::Threshold(0.0), &mut o)
-                    .unwrap();
-                let sets: Vec<Vec<usize>> = (0..n)
-                    .map(|t| {
-                        let a = p.activations(FfnAct::Relu, t);
-                        (0..n_ff).filter(|&i| a[i] > 0.0).collect()
-                    })
-                    .collect();
-                p.check(FfnAct::Relu, &sets, &o).unwrap();
+                super::suite::a_partition_sums_to_the_dense_ffn(KIND)
             }
         }
     };
