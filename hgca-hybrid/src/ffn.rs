@@ -23,6 +23,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::GatePredictor;
 use hgca_cpu::{CpuBackend, DotBlock, FfnStats};
 use hgca_kernels::{
     DenseFfnBackend, Error, FfnAct, FfnOwned, FfnSplit, FfnWeights, Neurons, Result, WeightElem,
@@ -43,6 +44,9 @@ pub struct HybridFfnStats {
     pub dense_time: Duration,
     /// Wall time of the CPU side's call.
     pub cpu_time: Duration,
+    /// Bytes the gate predictor read ([`HybridFfn::set_predictor`]),
+    /// counted token by token; not in `cold_bytes`.
+    pub predictor_bytes: u64,
 }
 
 /// One layer's FFN split between a dense side and the CPU: the cold
@@ -59,6 +63,7 @@ pub struct HybridFfn<D: DenseFfnBackend, W: WeightElem = f16> {
     threshold: f32,
     d_model: usize,
     cold_call: ColdCall<W>,
+    predictor: Option<GatePredictor>,
 }
 
 /// How the cold side calls the CPU kernel: [`CpuBackend::sparse_ffn`], or
@@ -108,6 +113,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
             threshold,
             d_model: w.d_model,
             cold_call: |cpu, act, w, x, n, nr, out| cpu.sparse_ffn(act, w, x, n, nr, out),
+            predictor: None,
         })
     }
 
@@ -129,6 +135,50 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         check_threshold(t)?;
         self.threshold = t;
         Ok(())
+    }
+
+    /// Fits a [`GatePredictor`] of the cold neurons' gates from `tokens`
+    /// calibration inputs `xs` (`[tokens, d_model]`, the FFN's inputs);
+    /// [`HybridFfn::set_predictor`] puts it to use.
+    ///
+    /// # Errors
+    /// As [`GatePredictor::fit`].
+    pub fn fit_predictor(
+        &self,
+        xs: &[f32],
+        tokens: usize,
+        rank: usize,
+        z: f32,
+    ) -> Result<GatePredictor> {
+        GatePredictor::fit(&self.cold.view(), xs, tokens, rank, z)
+    }
+
+    /// With a predictor and a threshold above 0, each token's cold side
+    /// computes the neurons the predictor selects (their gate, up and down
+    /// rows; none other is read) instead of reading every cold gate row to
+    /// apply the threshold. `None` goes back to the threshold form.
+    ///
+    /// # Errors
+    /// [`Error::Param`] for a predictor of another width or neuron count
+    /// than the cold side's.
+    pub fn set_predictor(&mut self, p: Option<GatePredictor>) -> Result<()> {
+        if let Some(p) = &p {
+            let n_cold = self.split.cold().len();
+            if p.d_model() != self.d_model || p.n_ff() != n_cold {
+                return Err(Error::Param {
+                    what: "predictor (its width and neurons against the cold side's)",
+                    value: p.n_ff() as f64,
+                    expected: "a predictor fitted on this layer's cold neurons",
+                });
+            }
+        }
+        self.predictor = p;
+        Ok(())
+    }
+
+    /// The predictor in use, if any.
+    pub fn predictor(&self) -> Option<&GatePredictor> {
+        self.predictor.as_ref()
     }
 
     /// Bytes of the cold weights the CPU holds.
@@ -156,12 +206,26 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         };
         let cold = |o: &mut [f32]| -> Result<(FfnStats, Duration)> {
             let t = Instant::now();
+            let w = self.cold.view();
+            if let (Some(p), true) = (&self.predictor, self.threshold > 0.0) {
+                // Each token its own list.
+                let mut st = FfnStats::default();
+                let mut list = Vec::new();
+                for (xt, ot) in x.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
+                    p.select(xt, self.act, self.threshold, &mut list)?;
+                    let s =
+                        (self.cold_call)(&self.cpu, self.act, &w, xt, 1, Neurons::List(&list), ot)?;
+                    st.active += s.active;
+                    st.rows += s.rows;
+                }
+                return Ok((st, t.elapsed()));
+            }
             let nb = if self.threshold > 0.0 {
                 Neurons::Threshold(self.threshold)
             } else {
                 Neurons::All
             };
-            let st = (self.cold_call)(&self.cpu, self.act, &self.cold.view(), x, n, nb, o)?;
+            let st = (self.cold_call)(&self.cpu, self.act, &w, x, n, nb, o)?;
             Ok((st, t.elapsed()))
         };
         let (dense_time, (st, cpu_time)) = if self.dense.runs_beside_cpu() {
@@ -190,6 +254,10 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
             cold_bytes: st.rows as u64 * row_bytes,
             dense_time,
             cpu_time,
+            predictor_bytes: match (&self.predictor, self.threshold > 0.0) {
+                (Some(p), true) => (p.bytes() * n) as u64,
+                _ => 0,
+            },
         })
     }
 }

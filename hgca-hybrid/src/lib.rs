@@ -16,6 +16,7 @@ mod full;
 mod layer;
 mod mass;
 pub mod planner;
+mod predict;
 mod select;
 mod seq;
 mod sliding;
@@ -26,6 +27,7 @@ pub use config::{HybridConfig, KeyCodes, Recovery};
 pub use ffn::{HybridFfn, HybridFfnStats};
 pub use full::FullAttention;
 pub use layer::HybridAttention;
+pub use predict::GatePredictor;
 pub use sliding::SlidingAttention;
 pub use stats::StepStats;
 

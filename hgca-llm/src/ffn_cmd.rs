@@ -57,6 +57,15 @@ pub(crate) struct FfnArgs {
     /// reads every weight row per token) instead of chunks of 512.
     #[arg(long)]
     decode: bool,
+    /// Ranks of low-rank gate predictors to run beside each threshold
+    /// (sparsity above 0): fitted per layer on the calibration tokens' FFN
+    /// inputs, each token's cold side then reads only the rows of the
+    /// neurons predicted to pass the threshold.
+    #[arg(long, value_delimiter = ',')]
+    predictor: Vec<usize>,
+    /// The predictors' margin, in residual deviations per neuron.
+    #[arg(long, default_value_t = 2.0)]
+    predictor_z: f32,
 }
 
 /// The format of hgca's FFN weight copies.
@@ -280,7 +289,8 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         score_from: 0,
         decode: a.decode,
     };
-    let runs = a.sparsity.len() * a.hot_ratio.len();
+    let runs = a.hot_ratio.len()
+        * (a.sparsity.len() + a.predictor.len() * a.sparsity.iter().filter(|&&s| s > 0.0).count());
     let pb = bar(a.tokens * (runs + 1));
     pb.set_message("dense (candle)");
     let dense = perplexity(&w, ids, opts, full_factory(cli.kv), |d| {
@@ -318,6 +328,12 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
             });
         }
     };
+    let inputs = if a.predictor.is_empty() {
+        Vec::new()
+    } else {
+        pb.set_message("FFN inputs");
+        SparseFfn::record_inputs(&w, calib)?
+    };
     let cpu = hgca_llm::cpu_backend();
     let mut rows = Vec::new();
     let mut zero_ppl = None;
@@ -327,24 +343,47 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         let held = coverage(&profile, &hot);
         let mut ffn = SparseFfn::with_hot(&w, cpu.clone(), &hot, a.ffn_format.into())?;
         for (&s, t) in a.sparsity.iter().zip(&thresholds) {
-            pb.set_message(format!("hot {r} sparsity {s}"));
             ffn.set_thresholds(t)?;
-            let shared = Arc::new(ffn);
-            let base = done * a.tokens;
-            let rep = perplexity_with(&w, ids, opts, full_factory(cli.kv), Some(&shared), |d| {
-                pb.set_position((base + d) as u64)
-            })?;
-            done += 1;
-            let count = shared.count();
-            ffn = Arc::try_unwrap(shared).map_err(|_| Error::Invalid {
-                what: "sparse FFN",
-                msg: "still shared after a run".into(),
-            })?;
-            ffn.reset_count();
-            if s == 0.0 && r == 0.0 {
-                zero_ppl = Some(rep.ppl);
+            // The threshold form, then each predictor's (above sparsity 0).
+            let preds: &[usize] = if s > 0.0 { &a.predictor } else { &[] };
+            for pred in std::iter::once(None).chain(preds.iter().map(Some)) {
+                match pred {
+                    None => {
+                        ffn.clear_predictors();
+                        pb.set_message(format!("hot {r} sparsity {s}"));
+                    }
+                    Some(&rank) => {
+                        pb.set_message(format!("hot {r} sparsity {s}: fitting rank {rank}"));
+                        ffn.fit_predictors(&inputs, rank, a.predictor_z)?;
+                        pb.set_message(format!("hot {r} sparsity {s} predictor {rank}"));
+                    }
+                }
+                let shared = Arc::new(ffn);
+                let base = done * a.tokens;
+                let rep =
+                    perplexity_with(&w, ids, opts, full_factory(cli.kv), Some(&shared), |d| {
+                        pb.set_position((base + d) as u64)
+                    })?;
+                done += 1;
+                let count = shared.count();
+                ffn = Arc::try_unwrap(shared).map_err(|_| Error::Invalid {
+                    what: "sparse FFN",
+                    msg: "still shared after a run".into(),
+                })?;
+                ffn.reset_count();
+                if s == 0.0 && r == 0.0 {
+                    zero_ppl = Some(rep.ppl);
+                }
+                rows.push((
+                    r,
+                    held,
+                    s,
+                    pred.copied(),
+                    rep.ppl,
+                    count,
+                    rep.tokens_per_sec(),
+                ));
             }
-            rows.push((r, held, s, rep.ppl, count, rep.tokens_per_sec()));
         }
     }
     pb.finish_and_clear();
@@ -376,20 +415,28 @@ pub(crate) fn cmd_ffn(cli: &Cli, a: &FfnArgs) -> Result<()> {
         }
     );
     println!(
-        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | neurons computed | of which hot | CPU (cold) weight bytes read vs dense FFN | CPU MB read per token | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token (both sides) | of which the CPU's cold side | tok/s |"
+        "| hot ratio | firings held by the hot sets | sparsity (calibrated) | cold side decides by | neurons computed | of which hot | CPU (cold) bytes read vs dense FFN | of which the predictor's | CPU MB read per token | PPL | vs dense candle | vs hgca hot 0 sparsity 0 | FFN ms per token (both sides) | of which the CPU's cold side | tok/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     let row_bytes = FfnFormat::from(a.ffn_format).row_bytes(c.dim) as f64;
-    for (r, held, s, ppl, n, tps) in rows {
+    for (r, held, s, pred, ppl, n, tps) in rows {
         let per_eval = n.evals.max(1) as f64;
         let all = c.ffn_dim as f64 * per_eval;
+        let dense_bytes = 3.0 * all * row_bytes;
+        let read = n.rows as f64 * row_bytes + n.predictor_bytes as f64;
         println!(
-            "| {r} | {:.1}% | {s} | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} | {:.2} | {tps:.1} |",
+            "| {r} | {:.1}% | {s} | {} | {:.1}% | {:.1}% | {:.1}% | {:.1}% | {:.2} | {ppl:.3} | {:+.2}% | {} | {:.2} | {:.2} | {tps:.1} |",
             100.0 * held,
+            match pred {
+                None if s > 0.0 => "threshold (every gate row)".to_string(),
+                None => "-".to_string(),
+                Some(k) => format!("predictor rank {k}, z {}", a.predictor_z),
+            },
             100.0 * n.active as f64 / all,
             100.0 * n.hot as f64 / all,
-            100.0 * n.rows as f64 / (3.0 * all),
-            n.rows as f64 * row_bytes / (per_eval / c.n_layers as f64) / 1e6,
+            100.0 * read / dense_bytes,
+            100.0 * n.predictor_bytes as f64 / dense_bytes,
+            read / (per_eval / c.n_layers as f64) / 1e6,
             100.0 * (ppl / dense.ppl - 1.0),
             zero_ppl.map_or("-".into(), |z| format!("{:+.2}%", 100.0 * (ppl / z - 1.0))),
             1e3 * n.time.as_secs_f64() / (per_eval / c.n_layers as f64),

@@ -69,6 +69,9 @@ pub struct Llama {
     /// Per layer, `|silu(gate)|` of every neuron and token of the dense FFN
     /// (calibration, neuron profiles).
     pub(crate) record: Option<Vec<Vec<f32>>>,
+    /// Per layer, the FFN's inputs (after its norm), token by token
+    /// (calibration of gate predictors).
+    pub(crate) record_inputs: Option<Vec<Vec<f32>>>,
     /// Where the time of forward calls went, when asked.
     profile: Option<Profile>,
 }
@@ -182,6 +185,7 @@ impl Llama {
             local: local_attention::<f32>,
             ffn: None,
             record: None,
+            record_inputs: None,
             profile: None,
         })
     }
@@ -270,6 +274,7 @@ impl Llama {
                 local: self.local,
                 ffn: self.ffn.clone(),
                 record: None,
+                record_inputs: None,
                 profile: None,
             });
         }
@@ -295,6 +300,7 @@ impl Llama {
             local: self.local,
             ffn: self.ffn.clone(),
             record: None,
+            record_inputs: None,
             profile: self.profile.map(|_| Profile::default()),
         }
     }
@@ -479,6 +485,9 @@ impl Llama {
             laps.add(|p| &mut p.wo);
             rms_norm(&x, &layer.ffn_norm, c.rms_eps, &mut h);
             laps.skip();
+            if let Some(rec) = &mut self.record_inputs {
+                rec[li].extend_from_slice(&h[..n * d]);
+            }
             if let Some(ffn) = &self.ffn {
                 // SparseFfn refuses models other than SiLU-gated ones.
                 let dn = ffn.forward(li, &h, n)?;

@@ -60,6 +60,8 @@ trait LayerFfn: std::fmt::Debug + Send + Sync {
     fn threshold(&self) -> f32;
     fn set_threshold(&mut self, t: f32) -> Result<()>;
     fn hot(&self) -> usize;
+    fn fit_predictor(&mut self, xs: &[f32], tokens: usize, rank: usize, z: f32) -> Result<()>;
+    fn clear_predictor(&mut self);
 }
 
 impl<W: WeightElem> LayerFfn for HybridFfn<CpuBackend, W> {
@@ -74,6 +76,14 @@ impl<W: WeightElem> LayerFfn for HybridFfn<CpuBackend, W> {
     }
     fn hot(&self) -> usize {
         self.split().hot().len()
+    }
+    fn fit_predictor(&mut self, xs: &[f32], tokens: usize, rank: usize, z: f32) -> Result<()> {
+        let p = HybridFfn::fit_predictor(self, xs, tokens, rank, z)?;
+        Ok(self.set_predictor(Some(p))?)
+    }
+    fn clear_predictor(&mut self) {
+        // None always fits.
+        let _ = self.set_predictor(None);
     }
 }
 
@@ -95,6 +105,9 @@ pub struct FfnCount {
     /// Of which the CPU's (cold) side: with a GPU as the dense side, the
     /// sides overlap and this is what the CPU adds.
     pub cold_time: std::time::Duration,
+    /// Bytes the gate predictors read ([`SparseFfn::fit_predictors`]),
+    /// per token, summed (not in `rows`).
+    pub predictor_bytes: u64,
 }
 
 /// Per layer and neuron, how often the neuron fires on a calibration text:
@@ -399,6 +412,52 @@ impl SparseFfn {
         Ok(())
     }
 
+    /// Fits each layer's low-rank gate predictor ([`hgca_hybrid::GatePredictor`]) on
+    /// its FFN inputs `inputs[layer]` (`[tokens, d]`, from
+    /// [`SparseFfn::record_inputs`]), keeping `rank` directions and a
+    /// margin of `z` residual deviations: with a threshold above 0, each
+    /// token's cold side then reads the predicted neurons' rows only
+    /// instead of every cold gate row.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for another number of layers; typed kernel errors
+    /// for a bad rank, margin or input length.
+    pub fn fit_predictors(&mut self, inputs: &[Vec<f32>], rank: usize, z: f32) -> Result<()> {
+        if inputs.len() != self.layers.len() {
+            return Err(Error::invalid(
+                "ffn inputs",
+                format!("{} layers for {}", inputs.len(), self.layers.len()),
+            ));
+        }
+        for (l, xs) in self.layers.iter_mut().zip(inputs) {
+            l.fit_predictor(xs, xs.len() / self.d.max(1), rank, z)?;
+        }
+        Ok(())
+    }
+
+    /// Back to the threshold form in every layer.
+    pub fn clear_predictors(&mut self) {
+        self.layers.iter_mut().for_each(|l| l.clear_predictor());
+    }
+
+    /// Per layer, the dense FFN's inputs (after its norm) over `tokens`,
+    /// run through `weights` with exact attention: `[tokens, d]` each, what
+    /// [`SparseFfn::fit_predictors`] takes.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for no tokens; model errors.
+    pub fn record_inputs(weights: &Arc<LlamaWeights>, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+        if tokens.is_empty() {
+            return Err(Error::invalid("calibration", "no tokens"));
+        }
+        let mut llm = Llama::with_full_attention::<f32>(Arc::clone(weights))?;
+        llm.record_inputs = Some(vec![Vec::new(); weights.layers.len()]);
+        for c in tokens.chunks(512) {
+            llm.forward(c, Logits::None)?;
+        }
+        Ok(llm.record_inputs.take().unwrap_or_default())
+    }
+
     /// The per-layer thresholds.
     pub fn thresholds(&self) -> Vec<f32> {
         self.layers.iter().map(|l| l.threshold()).collect()
@@ -441,6 +500,7 @@ impl SparseFfn {
         c.rows += st.cold.rows as u64;
         c.time += t0.elapsed();
         c.cold_time += st.cpu_time;
+        c.predictor_bytes += st.predictor_bytes;
         Ok(out)
     }
 }

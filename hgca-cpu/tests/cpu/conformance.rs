@@ -843,8 +843,20 @@ mod suite {
             .unwrap_or_else(|e| panic!("sliding window: {e}"));
     }
 
+    /// The edge table on one thread.
     pub fn edge_table(isa: IsaKind) {
-        for par in pars() {
+        edge_table_on(isa, &pars()[..1]);
+    }
+
+    /// The same on a rayon pool and on a caller's executor: a test of its
+    /// own, as the paged table's (the split across threads is the same code
+    /// on every ISA; under qemu only the sequential table runs).
+    pub fn edge_table_threaded(isa: IsaKind) {
+        edge_table_on(isa, &pars()[1..]);
+    }
+
+    fn edge_table_on(isa: IsaKind, pars: &[Threads]) {
+        for &par in pars {
             let Some(b) = backend(isa, par) else { return };
             for (i, &(qh, kvh, d, n)) in EDGE_SHAPES.iter().enumerate() {
                 let shape = AttnShape::new(qh, kvh, d).unwrap();
@@ -995,6 +1007,10 @@ macro_rules! isa_suite {
             #[test]
             fn edge_table() {
                 super::suite::edge_table(KIND)
+            }
+            #[test]
+            fn edge_table_threaded() {
+                super::suite::edge_table_threaded(KIND)
             }
             #[test]
             fn long_context_split_across_threads() {

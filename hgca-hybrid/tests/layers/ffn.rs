@@ -260,3 +260,75 @@ fn q8_acts_cold_side() {
         p.check(FfnAct::Silu, &vec![all; n], &out).unwrap();
     }
 }
+
+/// A gate predictor on the cold side: each token computes the hot neurons
+/// and exactly the cold ones its predictor lists (their rows only), at any
+/// rank; the counts say so; a predictor of another layer is refused.
+#[test]
+fn predictor_cold_side_is_the_reference_over_its_lists() {
+    for (k, &(d, n_ff, n, rank)) in [
+        (16usize, 40usize, 3usize, 4usize),
+        (33, 70, 2, 33),
+        (8, 5, 1, 1),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for act in [FfnAct::Silu, FfnAct::Relu] {
+            let seed = 70 + k as u64;
+            let p = FfnProblem::<f16>::random(d, n_ff, n, seed);
+            let w = p.weights().unwrap();
+            let mut rng = Rng::new(seed);
+            let hot = random_subset(&mut rng, n_ff, 0.3);
+            let is_hot: Vec<bool> = (0..n_ff).map(|i| hot.contains(&(i as u32))).collect();
+            let cold: Vec<usize> = (0..n_ff).filter(|&i| !is_hot[i]).collect();
+            let acts: Vec<Vec<f64>> = (0..n).map(|t| p.activations(act, t)).collect();
+            let t = cold_threshold(&acts, &cold).max(0.05) as f32;
+            let mut ffn = HybridFfn::new(cpu(), cpu(), act, &w, &hot, t).unwrap();
+            // Calibration inputs: the problem's tokens and more like them.
+            let tokens = 50;
+            let mut xs = p.x.clone();
+            xs.extend((0..(tokens - n) * d).map(|_| (rng.next_u64() % 2001) as f32 / 1000.0 - 1.0));
+            let pred = ffn.fit_predictor(&xs, tokens, rank, 1.0).unwrap();
+            let bytes = pred.bytes();
+            ffn.set_predictor(Some(pred)).unwrap();
+            let mut out = vec![f32::NAN; n * d];
+            let st = ffn.forward(&p.x, n, &mut out).unwrap();
+            let mut sets = Vec::new();
+            let mut listed = 0;
+            let mut list = Vec::new();
+            for tk in 0..n {
+                let x = &p.x[tk * d..(tk + 1) * d];
+                ffn.predictor()
+                    .unwrap()
+                    .select(x, act, t, &mut list)
+                    .unwrap();
+                listed += list.len();
+                let mut set: Vec<usize> = hot.iter().map(|&i| i as usize).collect();
+                set.extend(list.iter().map(|&j| cold[j as usize]));
+                set.sort_unstable();
+                sets.push(set);
+            }
+            assert_eq!(st.cold.active, listed, "{act:?} case {k}");
+            assert_eq!(st.cold.rows, 3 * listed, "{act:?} case {k}");
+            assert_eq!(st.predictor_bytes, (bytes * n) as u64);
+            p.check(act, &sets, &out)
+                .unwrap_or_else(|e| panic!("{act:?} case {k}, rank {rank}: {e}"));
+            // Back to the threshold form: every cold gate row is read again.
+            ffn.set_predictor(None).unwrap();
+            let st = ffn.forward(&p.x, n, &mut out).unwrap();
+            assert!(st.cold.rows >= n * cold.len());
+            assert_eq!(st.predictor_bytes, 0);
+        }
+    }
+    // A predictor fitted on another layer's cold side.
+    let p = FfnProblem::<f16>::random(16, 8, 1, 5);
+    let w = p.weights().unwrap();
+    let mut a = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &[1], 0.1).unwrap();
+    let b = HybridFfn::new(cpu(), cpu(), FfnAct::Silu, &w, &[1, 2], 0.1).unwrap();
+    let other = b.fit_predictor(&p.x, 1, 2, 1.0).unwrap();
+    assert!(matches!(
+        a.set_predictor(Some(other)),
+        Err(Error::Param { .. })
+    ));
+}
