@@ -199,6 +199,8 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         check_len_of("x", &[n, d], x.len())?;
         check_len_of("out", &[n, d], out.len())?;
         let mut hot_out = vec![0.0f32; n * d];
+        // The predictor acts only with a threshold to predict.
+        let predictor = self.predictor.as_ref().filter(|_| self.threshold > 0.0);
         let dense = |o: &mut [f32]| -> Result<Duration> {
             let t = Instant::now();
             self.dense.dense_ffn(self.act, &self.hot, x, n, o)?;
@@ -207,7 +209,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
         let cold = |o: &mut [f32]| -> Result<(FfnStats, Duration)> {
             let t = Instant::now();
             let w = self.cold.view();
-            if let (Some(p), true) = (&self.predictor, self.threshold > 0.0) {
+            if let Some(p) = predictor {
                 // Each token its own list.
                 let mut st = FfnStats::default();
                 let mut list = Vec::new();
@@ -254,10 +256,7 @@ impl<D: DenseFfnBackend, W: WeightElem> HybridFfn<D, W> {
             cold_bytes: st.rows as u64 * row_bytes,
             dense_time,
             cpu_time,
-            predictor_bytes: match (&self.predictor, self.threshold > 0.0) {
-                (Some(p), true) => (p.bytes() * n) as u64,
-                _ => 0,
-            },
+            predictor_bytes: predictor.map_or(0, |p| (p.bytes() * n) as u64),
         })
     }
 }

@@ -176,10 +176,15 @@ impl GatePredictor {
         (self.basis.len() + self.coef.len()) * size_of::<f32>()
     }
 
+    /// `B x`: the token in the kept directions (`[rank]`).
+    fn project(&self, x: &[f32]) -> Vec<f32> {
+        self.basis.chunks_exact(self.d).map(|b| dot(b, x)).collect()
+    }
+
     /// `ĝ` of one token `x` into `out` (`[n_ff]`). Lengths are the
     /// caller's to check.
     fn estimate(&self, x: &[f32], out: &mut [f32]) {
-        let proj: Vec<f32> = self.basis.chunks_exact(self.d).map(|b| dot(b, x)).collect();
+        let proj = self.project(x);
         for (o, c) in out.iter_mut().zip(self.coef.chunks_exact(self.rank)) {
             *o = dot(c, &proj);
         }
@@ -212,10 +217,17 @@ impl GatePredictor {
                 expected: "finite and >= 0",
             });
         }
-        let mut g = vec![0.0f32; self.n];
-        self.estimate(x, &mut g);
+        // Each neuron's estimate tested as it is made (no [n_ff] buffer per
+        // token).
+        let proj = self.project(x);
         list.clear();
-        for (i, (&gh, &s)) in g.iter().zip(&self.sigma).enumerate() {
+        for (i, (c, &s)) in self
+            .coef
+            .chunks_exact(self.rank)
+            .zip(&self.sigma)
+            .enumerate()
+        {
+            let gh = dot(c, &proj);
             let m = self.z * s;
             if max_abs_act(act, gh - m, gh + m) > t {
                 list.push(i as u32);
