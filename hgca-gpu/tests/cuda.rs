@@ -73,6 +73,16 @@ fn parse_ptxas(log: &str) -> Vec<(String, Usage)> {
     out
 }
 
+/// A compile unit: its label, its CUDA source and the entry points it must hold.
+type Unit<'a> = (String, String, &'a [&'a str]);
+
+/// What one (arch, unit) job found: `ptxas -v`'s rows for the report, and
+/// its failures.
+struct Report {
+    rows: Vec<String>,
+    failures: Vec<String>,
+}
+
 /// The specialisations the compile check covers: the benchmark shape
 /// (32 / 8 heads, d = 128) in every dtype, the usual head dims, GQA groups
 /// 1..8, and the unaligned and extreme head dims of the edge table.
@@ -120,7 +130,7 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
     std::fs::create_dir_all(&dir).unwrap();
     let mut failures = Vec::new();
     let t0 = std::time::Instant::now();
-    let mut units: Vec<(String, String, &[&str])> = specs()
+    let mut units: Vec<Unit<'_>> = specs()
         .into_iter()
         .map(|s| {
             (
@@ -138,65 +148,104 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
         .collect();
     units.push(("merge".into(), MERGE_CU.to_string(), &MERGE_KERNELS[..]));
     units.push(("ffn".into(), FFN_CU.to_string(), &FFN_KERNELS[..]));
+    // Each (arch, unit) is compiled and checked on its own: NVRTC takes
+    // distinct programs from several threads, and ptxas is a process of its
+    // own, so the jobs share out over the cores (one at a time, this test
+    // was a minute of CI's test step); the report keeps the jobs' order.
+    let jobs: Vec<((u32, u32), &Unit<'_>)> = [(8, 0), (9, 0)]
+        .into_iter()
+        .flat_map(|cc| units.iter().map(move |u| (cc, u)))
+        .collect();
+    let check = |cc: (u32, u32), (label, src, names): &Unit<'_>| -> Report {
+        let arch = format!("sm_{}{}", cc.0, cc.1);
+        let mut failures = Vec::new();
+        let mut rows = Vec::new();
+        let ptx = match compile_ptx(src, cc) {
+            Ok(p) => p,
+            Err(e) => {
+                failures.push(format!("{arch} {label}: NVRTC failed: {}", report(&e)));
+                return Report { rows, failures };
+            }
+        };
+        for n in names.iter() {
+            if !ptx.contains(&format!(".entry {n}(")) {
+                failures.push(format!("{arch} {label}: entry {n} missing from the PTX"));
+            }
+        }
+        let Some(ptxas) = ptxas.as_ref() else {
+            return Report { rows, failures };
+        };
+        let file = dir.join(format!("{label}-{arch}.ptx"));
+        std::fs::write(&file, &ptx).unwrap();
+        let out = Command::new(ptxas)
+            .arg(format!("-arch={arch}"))
+            .arg("-v")
+            .arg(&file)
+            .arg("-o")
+            .arg(dir.join(format!("{label}-{arch}.cubin")))
+            .output()
+            .unwrap();
+        let log = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if !out.status.success() {
+            failures.push(format!("{arch} {label}: ptxas failed:\n{log}"));
+            return Report { rows, failures };
+        }
+        let usage = parse_ptxas(&log);
+        if usage.len() != names.len() {
+            failures.push(format!(
+                "{arch} {label}: ptxas reported {} entries, expected {}:\n{log}",
+                usage.len(),
+                names.len()
+            ));
+        }
+        for (name, u) in &usage {
+            rows.push(format!(
+                "{arch:<6} {label:<16} {name:<22} {:>5} {:>6} {:>7} {:>7}",
+                u.regs, u.stack, u.spill_stores, u.spill_loads
+            ));
+            if name == DECODE_KERNEL && (u.spill_stores > 0 || u.spill_loads > 0) {
+                failures.push(format!("{arch} {label}: {name} spills: {u:?}"));
+            }
+        }
+        Report { rows, failures }
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut results: Vec<(usize, Report)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads.min(jobs.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(cc, unit)) = jobs.get(i) else {
+                            return done;
+                        };
+                        done.push((i, check(cc, unit)));
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().unwrap())
+            .collect()
+    });
+    results.sort_by_key(|(i, _)| *i);
+    assert_eq!(results.len(), jobs.len(), "every job reported");
     println!(
         "{:<6} {:<16} {:<22} {:>5} {:>6} {:>7} {:>7}",
         "arch", "spec", "kernel", "regs", "stack", "spill_st", "spill_ld"
     );
-    for cc in [(8, 0), (9, 0)] {
-        let arch = format!("sm_{}{}", cc.0, cc.1);
-        for (label, src, names) in &units {
-            let ptx = match compile_ptx(src, cc) {
-                Ok(p) => p,
-                Err(e) => {
-                    failures.push(format!("{arch} {label}: NVRTC failed: {}", report(&e)));
-                    continue;
-                }
-            };
-            for n in names.iter() {
-                if !ptx.contains(&format!(".entry {n}(")) {
-                    failures.push(format!("{arch} {label}: entry {n} missing from the PTX"));
-                }
-            }
-            let Some(ptxas) = ptxas.as_ref() else {
-                continue;
-            };
-            let file = dir.join(format!("{label}-{arch}.ptx"));
-            std::fs::write(&file, &ptx).unwrap();
-            let out = Command::new(ptxas)
-                .arg(format!("-arch={arch}"))
-                .arg("-v")
-                .arg(&file)
-                .arg("-o")
-                .arg(dir.join(format!("{label}-{arch}.cubin")))
-                .output()
-                .unwrap();
-            let log = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            if !out.status.success() {
-                failures.push(format!("{arch} {label}: ptxas failed:\n{log}"));
-                continue;
-            }
-            let usage = parse_ptxas(&log);
-            if usage.len() != names.len() {
-                failures.push(format!(
-                    "{arch} {label}: ptxas reported {} entries, expected {}:\n{log}",
-                    usage.len(),
-                    names.len()
-                ));
-            }
-            for (name, u) in &usage {
-                println!(
-                    "{arch:<6} {label:<16} {name:<22} {:>5} {:>6} {:>7} {:>7}",
-                    u.regs, u.stack, u.spill_stores, u.spill_loads
-                );
-                if name == DECODE_KERNEL && (u.spill_stores > 0 || u.spill_loads > 0) {
-                    failures.push(format!("{arch} {label}: {name} spills: {u:?}"));
-                }
-            }
+    for (_, report) in results {
+        for r in report.rows {
+            println!("{r}");
         }
+        failures.extend(report.failures);
     }
     let _ = std::fs::remove_dir_all(&dir);
     println!(
