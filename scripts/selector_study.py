@@ -20,7 +20,7 @@ with margins of 0, 0.25 (3-bit only) and 0.5 sigma. The bytes column is what eac
 per entry and step (codes and an f32 scale per row) against the f16 K and V
 rows full attention reads.
 
-usage: selector_study.py DIR TOKENS [RATIO] [CALIB]   (numpy)
+usage: selector_study.py DIR TOKENS [RATIO] [CALIB] [TARGET]   (numpy; TARGET 0.9)
 """
 import sys
 
@@ -57,7 +57,8 @@ def main():
     d_dir, n_tok = sys.argv[1], int(sys.argv[2])
     ratio = float(sys.argv[3]) if len(sys.argv) > 3 else 0.25
     calib = int(sys.argv[4]) if len(sys.argv) > 4 else 0
-    ncpu, sinks, target = n_tok - int(n_tok * ratio), 4, 0.9
+    target = float(sys.argv[5]) if len(sys.argv) > 5 else 0.9
+    ncpu, sinks = n_tok - int(n_tok * ratio), 4
     res, err = {}, {"int8": [], "int4": [], "int3": [], "int2": []}
     for line in open(f"{d_dir}/meta.txt"):
         l, qh, kvh, d, sc = line.split()
