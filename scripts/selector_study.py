@@ -16,9 +16,9 @@ int4 codes of whitened keys (`KeyCodes::Int4`), the whitening measured on
 all CPU rows or on the first CALIB of them, with admission margins of 0,
 0.5 and 2 rounding sigmas; and, for a cheaper copy, the same whitened keys
 in 3-bit codes (-3..3) and 2-bit codes (four levels, +-0.5 and +-1.5 steps),
-with margins of 0, 0.25 (3-bit only) and 0.5 sigma. The bytes column is what each copy reads
-per entry and step (codes and an f32 scale per row) against the f16 K and V
-rows full attention reads.
+with margins of 0, 0.25 (3-bit only) and 0.5 sigma. The bytes column is
+what each copy reads per entry and step (codes and an f32 scale per row)
+against the f16 K and V rows full attention reads.
 
 usage: selector_study.py DIR TOKENS [RATIO] [CALIB] [TARGET]   (numpy; TARGET 0.9)
 """
@@ -87,17 +87,16 @@ def main():
                 w_true = np.exp(ex)
                 e8 = (sc * q @ k8.T - lse[:, None]).max(0)
                 qw = sc * q * gain
-                e4 = (qw @ k4.T + (sc * q @ c)[:, None] - lse[:, None]).max(0)
+                base = (sc * q @ c)[:, None] - lse[:, None]
+                e4, e3, e2 = ((qw @ k.T + base).max(0) for k in (k4, k3, k2))
+                # A row's rounding sigma per unit of its scale.
                 qn = np.sqrt((qw ** 2).sum(1)).max() / np.sqrt(12)
-                sig = s4 * qn
-                e3 = (qw @ k3.T + (sc * q @ c)[:, None] - lse[:, None]).max(0)
-                e2 = (qw @ k2.T + (sc * q @ c)[:, None] - lse[:, None]).max(0)
                 rows = {
                     "exact": admit(ex, w_true, target, 0),
                     "int8": admit(e8, w_true, target, 0),
                     "int4": admit(e4, w_true, target, 0),
-                    "int4 +0.5 sigma": admit(e4, w_true, target, 0.5 * sig),
-                    "int4 +2 sigma": admit(e4, w_true, target, 2 * sig),
+                    "int4 +0.5 sigma": admit(e4, w_true, target, 0.5 * s4 * qn),
+                    "int4 +2 sigma": admit(e4, w_true, target, 2 * s4 * qn),
                     "int3": admit(e3, w_true, target, 0),
                     "int3 +0.25 sigma": admit(e3, w_true, target, 0.25 * s3 * qn),
                     "int3 +0.5 sigma": admit(e3, w_true, target, 0.5 * s3 * qn),
@@ -114,7 +113,8 @@ def main():
     print(f"{d_dir}: {n_tok} tokens, window ratio {ratio}, target {target}, "
           f"int4 whitening from {what}")
     # Bytes each estimate reads per entry and step, against an f16 K and V
-    # row (4 d bytes): the exact scores read the f16 key row.
+    # row (4 d bytes; d of the last layer read, the same in every layer of
+    # these models): the exact scores read the f16 key row.
     copy = {"exact": 2 * d, "int8": d + 4, "int4": d / 2 + 4, "int3": 3 * d / 8 + 4,
             "int2": d / 4 + 4}
     print(f"{'estimate':18s} {'admitted':>9s} {'missed':>8s} {'p95':>7s} {'dense':>7s} "

@@ -17,6 +17,8 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
+use rayon::prelude::*;
+
 use hgca_gpu::cuda::{
     ATTENTION_KERNELS, CudaBackend, DECODE_KERNEL, FFN_CU, FFN_KERNELS, KernelSpec, MERGE_CU,
     MERGE_KERNELS, compile_ptx, nvrtc_available,
@@ -150,13 +152,17 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
     units.push(("ffn".into(), FFN_CU.to_string(), &FFN_KERNELS[..]));
     // Each (arch, unit) is compiled and checked on its own: NVRTC takes
     // distinct programs from several threads, and ptxas is a process of its
-    // own, so the jobs share out over the cores (one at a time, this test
-    // was a minute of CI's test step); the report keeps the jobs' order.
+    // own, so the jobs share out over the cores (rayon's pool, which the
+    // `cuda` feature brings; one at a time, this test was a minute of CI's
+    // test step); the report keeps the jobs' order.
     let jobs: Vec<((u32, u32), &Unit<'_>)> = [(8, 0), (9, 0)]
         .into_iter()
         .flat_map(|cc| units.iter().map(move |u| (cc, u)))
         .collect();
-    let check = |cc: (u32, u32), (label, src, names): &Unit<'_>| -> Report {
+    // Two specialisations can share a label (the same dtype, head dim and
+    // heads per block): each job's files carry its index, so jobs running
+    // at once never write the same file.
+    let check = |job: usize, cc: (u32, u32), (label, src, names): &Unit<'_>| -> Report {
         let arch = format!("sm_{}{}", cc.0, cc.1);
         let mut failures = Vec::new();
         let mut rows = Vec::new();
@@ -175,14 +181,14 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
         let Some(ptxas) = ptxas.as_ref() else {
             return Report { rows, failures };
         };
-        let file = dir.join(format!("{label}-{arch}.ptx"));
+        let file = dir.join(format!("{job}-{label}-{arch}.ptx"));
         std::fs::write(&file, &ptx).unwrap();
         let out = Command::new(ptxas)
             .arg(format!("-arch={arch}"))
             .arg("-v")
             .arg(&file)
             .arg("-o")
-            .arg(dir.join(format!("{label}-{arch}.cubin")))
+            .arg(dir.join(format!("{job}-{label}-{arch}.cubin")))
             .output()
             .unwrap();
         let log = format!(
@@ -213,35 +219,16 @@ fn nvrtc_ptxas_every_kernel_sm80_sm90_no_decode_spill() {
         }
         Report { rows, failures }
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let mut results: Vec<(usize, Report)> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads.min(jobs.len()))
-            .map(|_| {
-                s.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&(cc, unit)) = jobs.get(i) else {
-                            return done;
-                        };
-                        done.push((i, check(cc, unit)));
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .flat_map(|w| w.join().unwrap())
-            .collect()
-    });
-    results.sort_by_key(|(i, _)| *i);
-    assert_eq!(results.len(), jobs.len(), "every job reported");
+    let results: Vec<Report> = jobs
+        .par_iter()
+        .enumerate()
+        .map(|(i, &(cc, u))| check(i, cc, u))
+        .collect();
     println!(
         "{:<6} {:<16} {:<22} {:>5} {:>6} {:>7} {:>7}",
         "arch", "spec", "kernel", "regs", "stack", "spill_st", "spill_ld"
     );
-    for (_, report) in results {
+    for report in results {
         for r in report.rows {
             println!("{r}");
         }
